@@ -1,0 +1,70 @@
+"""One description per compute model; its Triton config for each target is generated from it.
+
+Targets:
+- ``embedded``: the Python backend runs the ONNX file with ONNX Runtime on the CPU
+  (``python_models/onnx_runtime_runner``), because the embedded tritonserver has no ORT backend.
+- ``gpu``: the native ``onnxruntime_onnx`` backend on ``KIND_GPU`` (the NGC container).
+Name, tensors, max batch size and dynamic batching are identical in both.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from tritonclient.grpc import model_config_pb2 as mc
+
+TARGETS = ("embedded", "gpu")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    data_type: str  # a ModelConfig DataType name, e.g. "TYPE_FP32"
+    dims: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ComputeModel:
+    name: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    max_batch_size: int
+    export_onnx: Callable[[Path], None] = field(compare=False)
+    # Identity of the architecture and weights: part of the content hash that decides re-export.
+    source_key: str = ""
+    preferred_batch_sizes: tuple[int, ...] = ()
+    max_queue_delay_microseconds: int = 0
+    embedded_cpu_threads: int = 2
+    gpu_instances: int = 1
+
+    def content_hash(self, *extra: str) -> str:
+        digest = hashlib.sha256()
+        for part in (repr(self), *extra):
+            digest.update(part.encode())
+            digest.update(b"\0")
+        return digest.hexdigest()
+
+    def config(self, target: str) -> mc.ModelConfig:
+        if target not in TARGETS:
+            raise ValueError(f"unknown target {target!r}; choose one of {TARGETS}")
+        config = mc.ModelConfig(name=self.name, max_batch_size=self.max_batch_size)
+        for spec, tensors in ((self.inputs, config.input), (self.outputs, config.output)):
+            for tensor in spec:
+                tensors.add(name=tensor.name, data_type=mc.DataType.Value(tensor.data_type), dims=tensor.dims)
+        batching = config.dynamic_batching
+        batching.SetInParent()
+        batching.preferred_batch_size.extend(self.preferred_batch_sizes)
+        batching.max_queue_delay_microseconds = self.max_queue_delay_microseconds
+        if target == "embedded":
+            config.backend = "python"
+            config.instance_group.add(kind=mc.ModelInstanceGroup.KIND_CPU, count=1)
+            config.parameters["onnx_file"].string_value = "model.onnx"
+            config.parameters["intra_op_threads"].string_value = str(self.embedded_cpu_threads)
+        else:
+            config.platform = "onnxruntime_onnx"
+            config.default_model_filename = "model.onnx"
+            config.instance_group.add(kind=mc.ModelInstanceGroup.KIND_GPU, count=self.gpu_instances)
+        return config

@@ -1,0 +1,52 @@
+"""What a pipeline contributes to the repository: compute models, Python models, ensembles, assets.
+
+Each pipeline (text, vision, speech, routing) is one ``Part`` in its own module, registered in
+``repo_builder.parts.PARTS``. The assembly in ``repository.py`` is the same for all of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+from tritonclient.grpc import model_config_pb2 as mc
+
+from .compute import ComputeModel
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+CACHE_DIR = PROJECT_ROOT / ".cache" / "repo_builder"
+
+
+@dataclass
+class BuildContext:
+    target: str
+    output: Path
+    args: argparse.Namespace
+
+    def compute_dir(self, name: str) -> Path:
+        return self.output / name / "1"
+
+
+class Part:
+    # Folders under python_models/ and ensembles/ that this part owns.
+    python_models: tuple[str, ...] = ()
+    ensembles: tuple[str, ...] = ()
+
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        """Builder flags of this part (weights sources, optional models)."""
+
+    def compute_models(self, context: BuildContext) -> list[ComputeModel]:
+        return []
+
+    def patch_config(self, config: mc.ModelConfig, context: BuildContext) -> None:
+        """Adjust a Python model's or ensemble's config to what was built (e.g. embedding width)."""
+
+    def write_assets(self, model_name: str, version_dir: Path, context: BuildContext) -> None:
+        """Put the files a Python model loads at ``initialize`` into its version folder.
+        Called after every compute model is exported."""
+
+    def model_table(self, context: BuildContext) -> list[dict]:
+        """Rows for the README's model table: name, architecture, weights."""
+        return []

@@ -1,0 +1,103 @@
+"""Assemble a Triton model repository for one target.
+
+Layout written to ``output``::
+
+    <model>/config.pbtxt            generated (compute) or copied from python_models/, ensembles/
+    <model>/1/model.onnx            compute models (exported once, re-exported when their hash changes)
+    <model>/1/model.py              Python models (and, on the embedded target, compute runners)
+    <model>/1/<assets>              tokenizer.json, prototypes, label files ...
+    .built                          JSON: target and the list of models
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import shutil
+import time
+from pathlib import Path
+
+from .compute import ComputeModel
+from .files import is_fresh, mark_fresh, read_config, replace_dir, write_config
+from .part import PROJECT_ROOT, BuildContext, Part
+
+PYTHON_MODELS = PROJECT_ROOT / "python_models"
+ENSEMBLES = PROJECT_ROOT / "ensembles"
+ONNX_RUNNER = PYTHON_MODELS / "onnx_runtime_runner" / "model.py"
+
+
+def log(message: str) -> None:
+    print(f"[repo_builder] {message}", flush=True)
+
+
+def build_compute_model(model: ComputeModel, context: BuildContext) -> None:
+    model_dir = context.output / model.name
+    import torch
+
+    key = model.content_hash(torch.__version__, inspect.getsource(model.export_onnx))
+    onnx_dir = model_dir / "1"
+    if not is_fresh(model_dir, key):
+        started = time.monotonic()
+        replace_dir(model_dir, lambda tmp: _export(model, tmp))
+        mark_fresh(model_dir, key)
+        log(f"{model.name}: exported ONNX in {time.monotonic() - started:.1f} s")
+    else:
+        log(f"{model.name}: up to date")
+    write_config(model_dir / "config.pbtxt", model.config(context.target))
+    runner = onnx_dir / "model.py"
+    if context.target == "embedded":
+        shutil.copy2(ONNX_RUNNER, runner)
+    elif runner.exists():
+        runner.unlink()
+
+
+def _export(model: ComputeModel, model_dir: Path) -> None:
+    (model_dir / "1").mkdir(parents=True)
+    model.export_onnx(model_dir / "1" / "model.onnx")
+
+
+def build_python_model(name: str, part: Part, context: BuildContext) -> None:
+    source = PYTHON_MODELS / name
+    model_dir = context.output / name
+    version_dir = model_dir / "1"
+    version_dir.mkdir(parents=True, exist_ok=True)
+    config = read_config(source / "config.pbtxt")
+    part.patch_config(config, context)
+    write_config(model_dir / "config.pbtxt", config)
+    shutil.copy2(source / "model.py", version_dir / "model.py")
+    part.write_assets(name, version_dir, context)
+
+
+def build_ensemble(name: str, part: Part, context: BuildContext) -> None:
+    model_dir = context.output / name
+    config = read_config(ENSEMBLES / name / "config.pbtxt")
+    part.patch_config(config, context)
+    write_config(model_dir / "config.pbtxt", config)
+    (model_dir / "1").mkdir(exist_ok=True)  # Triton needs a version folder, even an empty one
+
+
+def build_repository(context: BuildContext, parts: list[Part]) -> list[str]:
+    started = time.monotonic()
+    context.output.mkdir(parents=True, exist_ok=True)
+    built: list[str] = []
+    for part in parts:
+        for model in part.compute_models(context):
+            build_compute_model(model, context)
+            built.append(model.name)
+    for part in parts:
+        for name in part.python_models:
+            build_python_model(name, part, context)
+            built.append(name)
+        for name in part.ensembles:
+            build_ensemble(name, part, context)
+            built.append(name)
+    for stale in sorted(p for p in context.output.iterdir() if p.is_dir() and p.name not in built):
+        if (stale / "config.pbtxt").exists():
+            log(f"removing {stale.name}: no longer built")
+            shutil.rmtree(stale)
+    rows = [row for part in parts for row in part.model_table(context)]
+    (context.output / ".built").write_text(json.dumps(
+        {"target": context.target, "models": built, "model_table": rows}, indent=2))
+    log(f"{context.target} repository at {context.output}: {len(built)} models "
+        f"in {time.monotonic() - started:.1f} s")
+    return built

@@ -1,0 +1,202 @@
+"""Start the real ``tritonserver`` 2.51 binary shipped in ``nvidia-pytriton`` on a model repository.
+
+This is the embedded runtime: no Docker, no GPU. It lays out a backend directory with the Python
+backend and the stub built for this interpreter, then runs the server in the foreground with the
+same flags the container uses (explicit model control, every model loaded at start).
+
+    python -m triton_pipelines.embedded_server --model-repository model_repository
+
+Ctrl-C / SIGTERM are forwarded to the server, which stops accepting work, lets in-flight requests
+finish (``--exit-timeout-secs``) and unloads the models.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DEFAULT_HTTP_PORT = 8000
+DEFAULT_GRPC_PORT = 8001
+DEFAULT_METRICS_PORT = 8002
+# Python-backend shared memory: start at 16 MiB per stub and grow by 16 MiB, so an image batch
+# does not pay for many small region growths.
+PYTHON_BACKEND_CONFIG = ("shm-default-byte-size=16777216", "shm-growth-byte-size=16777216")
+
+
+def pytriton_dir() -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("nvidia-pytriton is not installed: run `make install`")
+    return Path(list(spec.submodule_search_locations)[0]) / "tritonserver"
+
+
+def prepare_backend_dir(target: Path) -> Path:
+    """Copy the Python backend and this interpreter's stub into ``target/python``."""
+    triton_dir = pytriton_dir()
+    python_version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = triton_dir / "python_backend_stubs" / python_version / "triton_python_backend_stub"
+    if not stub.exists():
+        raise RuntimeError(f"nvidia-pytriton ships no Python backend stub for Python {python_version}")
+    backend = target / "python"
+    if backend.exists():
+        shutil.rmtree(backend)
+    shutil.copytree(triton_dir / "backends" / "python", backend)
+    shutil.copy2(stub, backend / "triton_python_backend_stub")
+    return target
+
+
+@dataclass
+class ServerOptions:
+    model_repository: Path
+    http_port: int = DEFAULT_HTTP_PORT
+    grpc_port: int = DEFAULT_GRPC_PORT
+    metrics_port: int = DEFAULT_METRICS_PORT
+    backend_dir: Path = Path(".triton/backends")
+    exit_timeout_secs: int = 30
+    log_verbose: int = 0
+    extra_args: list[str] = field(default_factory=list)
+
+
+def server_command(options: ServerOptions) -> list[str]:
+    command = [
+        str(pytriton_dir() / "bin" / "tritonserver"),
+        f"--model-repository={options.model_repository.resolve()}",
+        f"--backend-directory={options.backend_dir.resolve()}",
+        "--model-control-mode=explicit",
+        "--load-model=*",
+        f"--http-port={options.http_port}",
+        f"--grpc-port={options.grpc_port}",
+        f"--metrics-port={options.metrics_port}",
+        f"--exit-timeout-secs={options.exit_timeout_secs}",
+        f"--log-verbose={options.log_verbose}",
+    ]
+    command += [f"--backend-config=python,{setting}" for setting in PYTHON_BACKEND_CONFIG]
+    return command + list(options.extra_args)
+
+
+def server_environment() -> dict[str, str]:
+    """PATH leads with this interpreter's bin dir so the stub's embedded Python finds our venv."""
+    env = dict(os.environ)
+    venv_bin = str(Path(sys.executable).parent)
+    env["PATH"] = venv_bin + os.pathsep + env.get("PATH", "")
+    libs = pytriton_dir().parent.parent / "nvidia_pytriton.libs"
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(libs), env.get("LD_LIBRARY_PATH", "")) if p)
+    return env
+
+
+class EmbeddedServer:
+    """A running ``tritonserver`` process; use as a context manager or call ``stop()``."""
+
+    def __init__(self, options: ServerOptions, stdout=None, stderr=None):
+        self.options = options
+        prepare_backend_dir(options.backend_dir)
+        self.process = subprocess.Popen(
+            server_command(options), env=server_environment(), stdout=stdout, stderr=stderr
+        )
+
+    @property
+    def http_url(self) -> str:
+        return f"localhost:{self.options.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"localhost:{self.options.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://localhost:{self.options.metrics_port}/metrics"
+
+    def wait_ready(self, timeout_s: float = 300.0) -> None:
+        """Block until ``/v2/health/ready`` answers 200 (every loaded model is ready)."""
+        deadline = time.monotonic() + timeout_s
+        url = f"http://{self.http_url}/v2/health/ready"
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"tritonserver exited with code {self.process.returncode} before it was ready")
+            try:
+                with urllib.request.urlopen(url, timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"tritonserver was not ready after {timeout_s:.0f} s")
+
+    def stop(self, timeout_s: float | None = None) -> int:
+        """SIGTERM: the server finishes in-flight requests, unloads models and exits."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=timeout_s or self.options.exit_timeout_secs + 30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+    def __enter__(self) -> "EmbeddedServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _port(flag_value: int | None, env_name: str, default: int) -> int:
+    if flag_value is not None:
+        return flag_value
+    return int(os.environ.get(env_name, default))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model-repository", type=Path, default=Path("model_repository"))
+    parser.add_argument("--http-port", type=int, help=f"default $TRITON_HTTP_PORT or {DEFAULT_HTTP_PORT}")
+    parser.add_argument("--grpc-port", type=int, help=f"default $TRITON_GRPC_PORT or {DEFAULT_GRPC_PORT}")
+    parser.add_argument("--metrics-port", type=int, help=f"default $TRITON_METRICS_PORT or {DEFAULT_METRICS_PORT}")
+    parser.add_argument("--backend-dir", type=Path, default=Path(".triton/backends"))
+    parser.add_argument("--exit-timeout-secs", type=int, default=30)
+    parser.add_argument("--log-verbose", type=int, default=0)
+    parser.add_argument("extra_args", nargs="*", help="passed to tritonserver after `--`")
+    args = parser.parse_args(argv)
+    if not (args.model_repository / ".built").exists():
+        parser.error(f"{args.model_repository} is not built: run `make repository` (or `make serve`)")
+    options = ServerOptions(
+        model_repository=args.model_repository,
+        http_port=_port(args.http_port, "TRITON_HTTP_PORT", DEFAULT_HTTP_PORT),
+        grpc_port=_port(args.grpc_port, "TRITON_GRPC_PORT", DEFAULT_GRPC_PORT),
+        metrics_port=_port(args.metrics_port, "TRITON_METRICS_PORT", DEFAULT_METRICS_PORT),
+        backend_dir=args.backend_dir,
+        exit_timeout_secs=args.exit_timeout_secs,
+        log_verbose=args.log_verbose,
+        extra_args=args.extra_args,
+    )
+    server = EmbeddedServer(options)
+    # The server logs to this terminal; we only forward signals and report readiness.
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: server.process.send_signal(signal.SIGTERM))
+    try:
+        server.wait_ready()
+        print(
+            f"\nTriton is ready: HTTP {options.http_port}, gRPC {options.grpc_port}, "
+            f"metrics {options.metrics_port}. Ctrl-C stops it.\n",
+            flush=True,
+        )
+    except (RuntimeError, TimeoutError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        server.stop()
+        return 1
+    return server.process.wait()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
