@@ -15,6 +15,7 @@ import inspect
 import json
 import shutil
 import time
+from importlib.metadata import version
 from pathlib import Path
 
 from .compute import ComputeModel
@@ -32,9 +33,9 @@ def log(message: str) -> None:
 
 def build_compute_model(model: ComputeModel, context: BuildContext) -> None:
     model_dir = context.output / model.name
-    import torch
-
-    key = model.content_hash(torch.__version__, inspect.getsource(model.export_onnx))
+    # The exporter's whole module is hashed: a change to export code re-exports its models.
+    exporter_source = Path(inspect.getsourcefile(model.export_onnx)).read_text()
+    key = model.content_hash(version("torch"), version("transformers"), exporter_source)
     onnx_dir = model_dir / "1"
     if not is_fresh(model_dir, key):
         started = time.monotonic()

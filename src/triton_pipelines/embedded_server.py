@@ -16,8 +16,10 @@ import argparse
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -62,7 +64,8 @@ class ServerOptions:
     http_port: int = DEFAULT_HTTP_PORT
     grpc_port: int = DEFAULT_GRPC_PORT
     metrics_port: int = DEFAULT_METRICS_PORT
-    backend_dir: Path = Path(".triton/backends")
+    # None: a private temporary folder, removed on stop (lets several servers run side by side).
+    backend_dir: Path | None = None
     exit_timeout_secs: int = 30
     log_verbose: int = 0
     extra_args: list[str] = field(default_factory=list)
@@ -100,6 +103,9 @@ class EmbeddedServer:
 
     def __init__(self, options: ServerOptions, stdout=None, stderr=None):
         self.options = options
+        self._temporary_backend_dir = options.backend_dir is None
+        if options.backend_dir is None:
+            options.backend_dir = Path(tempfile.mkdtemp(prefix="triton-backends-"))
         prepare_backend_dir(options.backend_dir)
         self.process = subprocess.Popen(
             server_command(options), env=server_environment(), stdout=stdout, stderr=stderr
@@ -142,6 +148,8 @@ class EmbeddedServer:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        if self._temporary_backend_dir:
+            shutil.rmtree(self.options.backend_dir, ignore_errors=True)
         return self.process.returncode
 
     def __enter__(self) -> "EmbeddedServer":
@@ -149,6 +157,37 @@ class EmbeddedServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def free_ports(count: int) -> list[int]:
+    """Ports the OS reports free right now (bound then released together)."""
+    sockets = []
+    for _ in range(count):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        sockets.append(s)
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def start_on_free_ports(model_repository: Path, log_path: Path, extra_args: list[str] | None = None,
+                        timeout_s: float = 600) -> EmbeddedServer:
+    """A ready server on free ports, logging to ``log_path`` (tests and benchmarks use this)."""
+    http, grpc, metrics = free_ports(3)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log = open(log_path, "wb")
+    options = ServerOptions(model_repository=model_repository, http_port=http, grpc_port=grpc,
+                            metrics_port=metrics, extra_args=extra_args or [])
+    server = EmbeddedServer(options, stdout=log, stderr=log)
+    try:
+        server.wait_ready(timeout_s=timeout_s)
+    except Exception:
+        server.stop()
+        sys.stderr.write(log_path.read_text(errors="replace")[-5000:])
+        raise
+    return server
 
 
 def _port(flag_value: int | None, env_name: str, default: int) -> int:
@@ -163,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--http-port", type=int, help=f"default $TRITON_HTTP_PORT or {DEFAULT_HTTP_PORT}")
     parser.add_argument("--grpc-port", type=int, help=f"default $TRITON_GRPC_PORT or {DEFAULT_GRPC_PORT}")
     parser.add_argument("--metrics-port", type=int, help=f"default $TRITON_METRICS_PORT or {DEFAULT_METRICS_PORT}")
-    parser.add_argument("--backend-dir", type=Path, default=Path(".triton/backends"))
+    parser.add_argument("--backend-dir", type=Path, help="default: a temporary folder")
     parser.add_argument("--exit-timeout-secs", type=int, default=30)
     parser.add_argument("--log-verbose", type=int, default=0)
     parser.add_argument("extra_args", nargs="*", help="passed to tritonserver after `--`")
@@ -195,7 +234,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         server.stop()
         return 1
-    return server.process.wait()
+    code = server.process.wait()
+    server.stop()
+    return code
 
 
 if __name__ == "__main__":

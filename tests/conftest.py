@@ -1,0 +1,50 @@
+"""Fixtures: the real embedded Triton server, started once per session on free ports, and clients
+for both protocols.
+
+The repository is the one `make repository` builds (`make test` builds it first); if it is missing
+the fixture builds it. Server logs go to `.cache/test-server.log`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from triton_pipelines.client import TritonClient
+from triton_pipelines.embedded_server import start_on_free_ports
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+MODEL_REPOSITORY = PROJECT_ROOT / "model_repository"
+LOG_DIR = PROJECT_ROOT / ".cache"
+
+
+def ensure_repository() -> Path:
+    if not (MODEL_REPOSITORY / ".built").exists():
+        from repo_builder.__main__ import main as build
+
+        build(["--target", "embedded", "--output", str(MODEL_REPOSITORY)])
+    return MODEL_REPOSITORY
+
+
+@pytest.fixture(scope="session")
+def triton_server():
+    server = start_on_free_ports(ensure_repository(), LOG_DIR / "test-server.log")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session", params=["http", "grpc"])
+def client(request, triton_server) -> TritonClient:
+    """Parametrizes a test over both protocols."""
+    url = triton_server.http_url if request.param == "http" else triton_server.grpc_url
+    c = TritonClient(request.param, url)
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="session")
+def http_client(triton_server) -> TritonClient:
+    c = TritonClient("http", triton_server.http_url)
+    yield c
+    c.close()
