@@ -2,11 +2,13 @@
 for both protocols.
 
 The repository is the one `make repository` builds (`make test` builds it first); if it is missing
-the fixture builds it. Server logs go to `.cache/test-server.log`.
+the fixture builds it. `TEST_MODEL_REPOSITORY=DIR` points the tests at another built repository
+(e.g. one built with `--parts text`). Server logs go to `.cache/test-server.log`.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -15,7 +17,7 @@ from triton_pipelines.client import TritonClient
 from triton_pipelines.embedded_server import start_on_free_ports
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
-MODEL_REPOSITORY = PROJECT_ROOT / "model_repository"
+MODEL_REPOSITORY = Path(os.environ.get("TEST_MODEL_REPOSITORY", PROJECT_ROOT / "model_repository")).resolve()
 LOG_DIR = PROJECT_ROOT / ".cache"
 
 

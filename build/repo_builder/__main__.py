@@ -13,10 +13,17 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m repo_builder", description=__doc__)
     parser.add_argument("--target", choices=TARGETS, default="embedded")
     parser.add_argument("--output", type=Path, default=PROJECT_ROOT / "model_repository")
-    for part in PARTS:
+    parser.add_argument("--parts", default=",".join(PARTS),
+                        help=f"comma-separated pipelines to build (default: all of {','.join(PARTS)})")
+    for part in PARTS.values():
         part.add_arguments(parser)
     args = parser.parse_args(argv)
-    build_repository(BuildContext(target=args.target, output=args.output.resolve(), args=args), PARTS)
+    names = [n for n in args.parts.split(",") if n]
+    unknown = sorted(set(names) - set(PARTS))
+    if unknown:
+        parser.error(f"unknown parts {unknown}; known: {list(PARTS)}")
+    context = BuildContext(target=args.target, output=args.output.resolve(), args=args)
+    build_repository(context, [PARTS[name] for name in names])
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ class ComputeModel:
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
     max_batch_size: int
-    export_onnx: Callable[[Path], None] = field(compare=False)
+    export_onnx: Callable[[Path], None] = field(compare=False, repr=False)
     # Identity of the architecture and weights: part of the content hash that decides re-export.
     source_key: str = ""
     preferred_batch_sizes: tuple[int, ...] = ()

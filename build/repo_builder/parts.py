@@ -1,5 +1,8 @@
-"""Every pipeline that goes into the repository, in build order."""
+"""Every pipeline that goes into the repository, by name, in build order."""
 
+from .part import Part
 from .text_part import TextPart
 
-PARTS = [TextPart()]
+PARTS: dict[str, Part] = {
+    "text": TextPart(),
+}
