@@ -9,7 +9,7 @@ from .parts import PARTS
 from .repository import build_repository
 
 
-def main(argv=None) -> None:
+def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m repo_builder", description=__doc__)
     parser.add_argument("--target", choices=TARGETS, default="embedded")
     parser.add_argument("--output", type=Path, default=PROJECT_ROOT / "model_repository")
@@ -17,13 +17,22 @@ def main(argv=None) -> None:
                         help=f"comma-separated pipelines to build (default: all of {','.join(PARTS)})")
     for part in PARTS.values():
         part.add_arguments(parser)
+    return parser
+
+
+def parse_context(argv=None) -> tuple[BuildContext, list]:
+    parser = make_parser()
     args = parser.parse_args(argv)
     names = [n for n in args.parts.split(",") if n]
     unknown = sorted(set(names) - set(PARTS))
     if unknown:
         parser.error(f"unknown parts {unknown}; known: {list(PARTS)}")
     context = BuildContext(target=args.target, output=args.output.resolve(), args=args)
-    build_repository(context, [PARTS[name] for name in names])
+    return context, [PARTS[name] for name in names]
+
+
+def main(argv=None) -> None:
+    build_repository(*parse_context(argv))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,116 @@
+"""Static checks, no server: every config parses as Triton's ModelConfig, ensembles are wired to
+real tensors, and the container runs Triton with the same flags as the embedded launcher."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2 as mc
+
+from repo_builder.__main__ import parse_context
+from repo_builder.compute import TARGETS
+from triton_pipelines.embedded_server import ServerOptions, pytriton_dir, server_command, server_environment
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCE_CONFIGS = sorted((ROOT / "python_models").glob("*/config.pbtxt")) + sorted(
+    (ROOT / "ensembles").glob("*/config.pbtxt"))
+
+
+def parse(text: str) -> mc.ModelConfig:
+    return text_format.Parse(text, mc.ModelConfig())
+
+
+@pytest.mark.parametrize("path", SOURCE_CONFIGS, ids=lambda p: f"{p.parent.parent.name}/{p.parent.name}")
+def test_source_config_parses_and_is_named_after_its_folder(path):
+    config = parse(path.read_text())
+    assert config.name == path.parent.name
+    assert config.backend == "python" or config.platform == "ensemble"
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_generated_compute_configs_parse_for_every_target(target):
+    context, parts = parse_context(["--target", target])
+    models = [m for part in parts for m in part.compute_models(context)]
+    assert models, "no compute models"
+    for model in models:
+        config = model.config(target)
+        reparsed = parse(text_format.MessageToString(config))
+        assert reparsed == config
+        assert reparsed.max_batch_size == model.max_batch_size
+        assert [i.name for i in reparsed.input] == [t.name for t in model.inputs]
+        if target == "gpu":
+            assert reparsed.platform in ("onnxruntime_onnx", "tensorrt_plan")
+            assert all(g.kind == mc.ModelInstanceGroup.KIND_GPU for g in reparsed.instance_group)
+        else:
+            assert reparsed.backend == "python"
+
+
+def built_configs() -> dict[str, mc.ModelConfig]:
+    repository = ROOT / "model_repository"
+    if not (repository / ".built").exists():
+        pytest.skip("model_repository/ not built (make test builds it first)")
+    return {p.parent.name: parse(p.read_text()) for p in repository.glob("*/config.pbtxt")}
+
+
+def test_built_repository_configs_parse():
+    configs = built_configs()
+    assert {"text_tokenizer", "text_encoder", "embedding_pooler", "text_embedding",
+            "intent_classifier", "text_classification"} <= set(configs)
+
+
+def test_ensemble_steps_map_to_real_tensors():
+    configs = built_configs()
+    for config in configs.values():
+        if config.platform != "ensemble":
+            continue
+        produced = {i.name for i in config.input}
+        for step in config.ensemble_scheduling.step:
+            assert step.model_name in configs, f"{config.name}: unknown model {step.model_name}"
+            member = configs[step.model_name]
+            member_inputs = {i.name for i in member.input}
+            member_outputs = {o.name for o in member.output}
+            assert set(step.input_map) <= member_inputs, f"{config.name} → {step.model_name} inputs"
+            required = {i.name for i in member.input if not i.optional}
+            assert required <= set(step.input_map), f"{config.name} → {step.model_name} misses inputs"
+            assert set(step.output_map) <= member_outputs, f"{config.name} → {step.model_name} outputs"
+            assert set(step.input_map.values()) <= produced, f"{config.name}: unproduced tensor"
+            produced |= set(step.output_map.values())
+            assert member.max_batch_size >= config.max_batch_size or member.max_batch_size == 0
+        assert {o.name for o in config.output} <= produced
+
+
+def compose() -> dict:
+    return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+
+
+def test_compose_serves_the_ngc_2_51_image_on_the_native_ports():
+    dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
+    assert "FROM nvcr.io/nvidia/tritonserver:24.10-py3 AS serving" in dockerfile
+    triton = compose()["services"]["triton"]
+    assert triton["ports"] == ["8000:8000", "8001:8001", "8002:8002"]
+    assert triton["volumes"][0].startswith("./model_repository:/models")
+
+
+def test_compose_flags_exist_in_tritonserver_2_51():
+    help_text = subprocess.run([str(pytriton_dir() / "bin" / "tritonserver"), "--help"],
+                               env=server_environment(), capture_output=True, text=True)
+    help_text = help_text.stdout + help_text.stderr
+    known = set(re.findall(r"^\s+(--[a-z0-9-]+)", help_text, re.M))
+    assert "--model-control-mode" in known
+    flags = [arg.split("=")[0] for arg in compose()["services"]["triton"]["command"][1:]]
+    assert set(flags) <= known, set(flags) - known
+
+
+def test_compose_and_embedded_launcher_use_the_same_server_flags():
+    """Only paths and ports may differ between the container and the embedded runtime."""
+    varying = ("--model-repository", "--backend-directory", "--http-port", "--grpc-port",
+               "--metrics-port", "--log-verbose")
+    embedded = server_command(ServerOptions(model_repository=Path("m"), backend_dir=Path("b")))[1:]
+    container = compose()["services"]["triton"]["command"][1:]
+    strip = lambda args: sorted(a for a in args if not a.startswith(varying))  # noqa: E731
+    assert strip(embedded) == strip(container)
