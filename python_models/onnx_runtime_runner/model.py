@@ -7,13 +7,15 @@ from pathlib import Path
 
 import triton_python_backend_utils as pb_utils
 
+from triton_pipelines.backend import error_response, model_parameters
 from triton_pipelines.onnx_runner import OnnxBatchRunner
 
 
 class TritonPythonModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
-        parameters = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        parameters = model_parameters(args)
+        self.model_name = args["model_name"]
         version_dir = Path(args["model_repository"]) / args["model_version"]
         self.input_names = [i["name"] for i in config["input"]]
         self.output_names = [o["name"] for o in config["output"]]
@@ -31,7 +33,7 @@ class TritonPythonModel:
         try:
             results = self.runner.run(feeds)
         except Exception as error:  # an ONNX Runtime failure fails this batch, not the server
-            return [pb_utils.InferenceResponse(error=pb_utils.TritonError(f"compute failed: {error}"))
+            return [error_response(RuntimeError(f"{self.model_name}: ONNX Runtime failed: {error}"))
                     for _ in requests]
         return [
             pb_utils.InferenceResponse([pb_utils.Tensor(name, result[name]) for name in self.output_names])

@@ -1,18 +1,17 @@
 """Text → BERT token ids, padded to a length bucket so Triton batches mixed lengths together."""
 
-import json
 from pathlib import Path
 
 import triton_python_backend_utils as pb_utils
 
+from triton_pipelines.backend import error_response, model_parameters
 from triton_pipelines.errors import InputError
 from triton_pipelines.text import TextTokenizer, decode_texts
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        config = json.loads(args["model_config"])
-        parameters = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        parameters = model_parameters(args)
         self.max_text_bytes = int(parameters["max_text_bytes"])
         version_dir = Path(args["model_repository"]) / args["model_version"]
         self.tokenizer = TextTokenizer(version_dir / "tokenizer.json",
@@ -25,7 +24,7 @@ class TritonPythonModel:
                 texts = decode_texts(pb_utils.get_input_tensor_by_name(request, "text").as_numpy(),
                                      max_bytes=self.max_text_bytes)
             except InputError as error:
-                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(error))))
+                responses.append(error_response(error))
                 continue
             tokens = self.tokenizer.encode(texts)
             responses.append(pb_utils.InferenceResponse([

@@ -68,6 +68,8 @@ class ServerOptions:
     backend_dir: Path | None = None
     exit_timeout_secs: int = 30
     log_verbose: int = 0
+    # Models loaded at start; None loads every model in the repository (--load-model=*).
+    models: list[str] | None = None
     extra_args: list[str] = field(default_factory=list)
 
 
@@ -77,7 +79,7 @@ def server_command(options: ServerOptions) -> list[str]:
         f"--model-repository={options.model_repository.resolve()}",
         f"--backend-directory={options.backend_dir.resolve()}",
         "--model-control-mode=explicit",
-        "--load-model=*",
+        *[f"--load-model={name}" for name in (options.models or ["*"])],
         f"--http-port={options.http_port}",
         f"--grpc-port={options.grpc_port}",
         f"--metrics-port={options.metrics_port}",
@@ -173,13 +175,13 @@ def free_ports(count: int) -> list[int]:
 
 
 def start_on_free_ports(model_repository: Path, log_path: Path, extra_args: list[str] | None = None,
-                        timeout_s: float = 600) -> EmbeddedServer:
+                        timeout_s: float = 600, models: list[str] | None = None) -> EmbeddedServer:
     """A ready server on free ports, logging to ``log_path`` (tests and benchmarks use this)."""
     http, grpc, metrics = free_ports(3)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log = open(log_path, "wb")
     options = ServerOptions(model_repository=model_repository, http_port=http, grpc_port=grpc,
-                            metrics_port=metrics, extra_args=extra_args or [])
+                            metrics_port=metrics, models=models, extra_args=extra_args or [])
     server = EmbeddedServer(options, stdout=log, stderr=log)
     try:
         server.wait_ready(timeout_s=timeout_s)
