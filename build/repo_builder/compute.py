@@ -20,6 +20,20 @@ TARGETS = ("embedded", "gpu")
 
 
 @dataclass(frozen=True)
+class LatencyVariant:
+    """Another configuration of a compute model's weights, served as ``<name>_<suffix>``
+    (see ``variants.py``): the model itself is the ``realtime`` class."""
+    suffix: str
+    preferred_batch_sizes: tuple[int, ...]
+    max_queue_delay_microseconds: int
+    preserve_ordering: bool = True
+
+
+# The throughput ("batch") class every compute model gets unless its description says otherwise.
+BATCH_VARIANT = LatencyVariant("batch", preferred_batch_sizes=(16, 32), max_queue_delay_microseconds=20000)
+
+
+@dataclass(frozen=True)
 class TensorSpec:
     name: str
     data_type: str  # a ModelConfig DataType name, e.g. "TYPE_FP32"
@@ -39,6 +53,16 @@ class ComputeModel:
     max_queue_delay_microseconds: int = 0
     embedded_cpu_threads: int = 2
     gpu_instances: int = 1
+    preserve_ordering: bool = False
+    # Not part of the export hash (repr=False): they change configs, not the exported weights.
+    latency_variants: tuple[LatencyVariant, ...] = field(default=(BATCH_VARIANT,), repr=False)
+    # Canary: versions loaded together (version_policy specific); version N > 1 is derived from
+    # version 1's ONNX by the named build in ``variants.VERSION_BUILDS`` ((2, "int8_dynamic"), ...).
+    extra_versions: tuple[tuple[int, str], ...] = field(default=(), repr=False)
+
+    @property
+    def versions(self) -> tuple[int, ...]:
+        return (1,) + tuple(number for number, _ in self.extra_versions)
 
     def content_hash(self, *extra: str) -> str:
         digest = hashlib.sha256()
@@ -58,6 +82,9 @@ class ComputeModel:
         batching.SetInParent()
         batching.preferred_batch_size.extend(self.preferred_batch_sizes)
         batching.max_queue_delay_microseconds = self.max_queue_delay_microseconds
+        batching.preserve_ordering = self.preserve_ordering
+        if self.extra_versions:
+            config.version_policy.specific.versions.extend(self.versions)
         if target == "embedded":
             config.backend = "python"
             config.instance_group.add(kind=mc.ModelInstanceGroup.KIND_CPU, count=1)

@@ -40,6 +40,10 @@ class Part:
     def compute_models(self, context: BuildContext) -> list[ComputeModel]:
         return []
 
+    def adjust_compute_model(self, model: ComputeModel, context: BuildContext) -> ComputeModel:
+        """Called with every part's compute models (e.g. the router adds canary versions)."""
+        return model
+
     def patch_config(self, config: mc.ModelConfig, context: BuildContext) -> None:
         """Adjust a Python model's or ensemble's config to what was built (e.g. embedding width)."""
 

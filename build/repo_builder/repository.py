@@ -21,6 +21,7 @@ from pathlib import Path
 from .compute import ComputeModel
 from .files import is_fresh, mark_fresh, read_config, replace_dir, write_config
 from .part import PROJECT_ROOT, BuildContext, Part
+from .variants import EnsembleVariants, build_extra_versions, build_latency_variants
 
 PYTHON_MODELS = PROJECT_ROOT / "python_models"
 ENSEMBLES = PROJECT_ROOT / "ensembles"
@@ -31,7 +32,8 @@ def log(message: str) -> None:
     print(f"[repo_builder] {message}", flush=True)
 
 
-def build_compute_model(model: ComputeModel, context: BuildContext) -> None:
+def build_compute_model(model: ComputeModel, context: BuildContext) -> list[str]:
+    """The model (and its canary versions), then its latency-class variants; returns their names."""
     model_dir = context.output / model.name
     # The exporter's whole module is hashed: a change to export code re-exports its models.
     exporter_source = Path(inspect.getsourcefile(model.export_onnx)).read_text()
@@ -50,6 +52,8 @@ def build_compute_model(model: ComputeModel, context: BuildContext) -> None:
         shutil.copy2(ONNX_RUNNER, runner)
     elif runner.exists():
         runner.unlink()
+    build_extra_versions(model, context, ONNX_RUNNER, log)
+    return [model.name] + build_latency_variants(model, context, ONNX_RUNNER)
 
 
 def _export(model: ComputeModel, model_dir: Path) -> None:
@@ -81,10 +85,13 @@ def build_repository(context: BuildContext, parts: list[Part]) -> list[str]:
     started = time.monotonic()
     context.output.mkdir(parents=True, exist_ok=True)
     built: list[str] = []
+    compute_models: list[ComputeModel] = []
     for part in parts:
         for model in part.compute_models(context):
-            build_compute_model(model, context)
-            built.append(model.name)
+            for other in parts:  # e.g. the router's route file adds canary versions
+                model = other.adjust_compute_model(model, context)
+            built.extend(build_compute_model(model, context))
+            compute_models.append(model)
     for part in parts:
         for name in part.python_models:
             build_python_model(name, part, context)
@@ -92,6 +99,8 @@ def build_repository(context: BuildContext, parts: list[Part]) -> list[str]:
         for name in part.ensembles:
             build_ensemble(name, part, context)
             built.append(name)
+    # Latency-class and canary variants of the ensembles (see variants.py).
+    built.extend(EnsembleVariants(context, compute_models, [n for p in parts for n in p.ensembles]).build())
     for stale in sorted(p for p in context.output.iterdir() if p.is_dir() and p.name not in built):
         if (stale / "config.pbtxt").exists():
             log(f"removing {stale.name}: no longer built")
