@@ -3,7 +3,9 @@
 Targets:
 - ``embedded``: the Python backend runs the ONNX file with ONNX Runtime on the CPU
   (``python_models/onnx_runtime_runner``), because the embedded tritonserver has no ORT backend.
-- ``gpu``: the native ``onnxruntime_onnx`` backend on ``KIND_GPU`` (the NGC container).
+- ``gpu``: the native ``onnxruntime_onnx`` backend on ``KIND_GPU`` (the NGC container); per model,
+  ``gpu_backend`` may instead choose ONNX Runtime with the TensorRT execution accelerator
+  (``onnxruntime_trt``) or a TensorRT engine (``tensorrt_plan``, built by ``trtexec_args()``).
 Name, tensors, max batch size and dynamic batching are identical in both.
 """
 
@@ -17,6 +19,12 @@ from typing import Callable
 from tritonclient.grpc import model_config_pb2 as mc
 
 TARGETS = ("embedded", "gpu")
+# How the gpu target serves a compute model (``ComputeModel.gpu_backend``).
+GPU_BACKENDS = ("onnxruntime_onnx", "onnxruntime_trt", "tensorrt_plan")
+# onnxruntime_trt: parameters of the onnxruntime backend's "tensorrt" gpu_execution_accelerator.
+# The engine cache lives outside the (read-only) repository; docker-compose mounts a volume there.
+TRT_ACCELERATOR_PARAMETERS = (("precision_mode", "FP16"), ("max_workspace_size_bytes", str(1 << 30)),
+                              ("trt_engine_cache_enable", "1"), ("trt_engine_cache_path", "/trt_cache"))
 
 
 @dataclass(frozen=True)
@@ -53,6 +61,10 @@ class ComputeModel:
     max_queue_delay_microseconds: int = 0
     embedded_cpu_threads: int = 2
     gpu_instances: int = 1
+    # gpu target only, not part of the export hash: one of GPU_BACKENDS, and the batch size the
+    # TensorRT optimization profile is tuned for (0: max_batch_size).
+    gpu_backend: str = field(default="onnxruntime_onnx", repr=False)
+    trt_opt_batch_size: int = field(default=0, repr=False)
     preserve_ordering: bool = False
     # Not part of the export hash (repr=False): they change configs, not the exported weights.
     latency_variants: tuple[LatencyVariant, ...] = field(default=(BATCH_VARIANT,), repr=False)
@@ -91,7 +103,45 @@ class ComputeModel:
             config.parameters["onnx_file"].string_value = "model.onnx"
             config.parameters["intra_op_threads"].string_value = str(self.embedded_cpu_threads)
         else:
-            config.platform = "onnxruntime_onnx"
-            config.default_model_filename = "model.onnx"
+            self._gpu_backend_config(config)
             config.instance_group.add(kind=mc.ModelInstanceGroup.KIND_GPU, count=self.gpu_instances)
         return config
+
+    def _gpu_backend_config(self, config: mc.ModelConfig) -> None:
+        if self.gpu_backend not in GPU_BACKENDS:
+            raise ValueError(f"{self.name}: unknown gpu_backend {self.gpu_backend!r}; choose one of {GPU_BACKENDS}")
+        if self.gpu_backend == "tensorrt_plan":
+            self.trtexec_args()  # static shapes are required
+            config.platform = "tensorrt_plan"
+            config.default_model_filename = "model.plan"
+            return
+        config.platform = "onnxruntime_onnx"
+        config.default_model_filename = "model.onnx"
+        if self.gpu_backend == "onnxruntime_trt":
+            accelerator = config.optimization.execution_accelerators.gpu_execution_accelerator.add(name="tensorrt")
+            for key, value in TRT_ACCELERATOR_PARAMETERS:
+                accelerator.parameters[key] = value
+            # ORT-TRT builds an engine for the batch sizes it has seen and rebuilds when a larger one
+            # arrives; warming up with 1 and max_batch_size builds the [1, max] profile at load time.
+            if all(d > 0 for t in self.inputs for d in t.dims):
+                for batch_size in (1, self.max_batch_size):
+                    warmup = config.model_warmup.add(name=f"batch_{batch_size}", batch_size=batch_size)
+                    for tensor in self.inputs:
+                        data = warmup.inputs[tensor.name]
+                        data.data_type = mc.DataType.Value(tensor.data_type)
+                        data.dims.extend(tensor.dims)
+                        data.zero_data = True
+
+    def trtexec_args(self) -> list[str]:
+        """trtexec flags turning ``model.onnx`` into an FP16 ``model.plan`` whose optimization profile
+        covers batch 1 .. max_batch_size (``docker/build_trt_engines.sh`` runs them)."""
+        opt = self.trt_opt_batch_size or self.max_batch_size
+        shapes = {"min": 1, "opt": min(opt, self.max_batch_size), "max": self.max_batch_size}
+        for tensor in self.inputs:
+            if any(d <= 0 for d in tensor.dims):
+                raise ValueError(f"{self.name}: tensorrt_plan needs static non-batch dims, "
+                                 f"{tensor.name} has {list(tensor.dims)}")
+        return ["--fp16"] + [
+            f"--{kind}Shapes=" + ",".join(
+                f"{t.name}:{'x'.join(str(d) for d in (batch, *t.dims))}" for t in self.inputs)
+            for kind, batch in shapes.items()]

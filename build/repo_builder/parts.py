@@ -3,9 +3,11 @@
 from .part import Part
 from .router_part import RouterPart
 from .text_part import TextPart
+from .vision_part import VisionPart
 
 PARTS: dict[str, Part] = {
     "text": TextPart(),
     # Its route file also adjusts other parts' compute models (canary versions).
     "router": RouterPart(),
+    "vision": VisionPart(),
 }
