@@ -52,6 +52,12 @@ def build_compute_model(model: ComputeModel, context: BuildContext) -> list[str]
         shutil.copy2(ONNX_RUNNER, runner)
     elif runner.exists():
         runner.unlink()
+    # gpu + tensorrt_plan: the trtexec flags for docker/build_trt_engines.sh, which writes model.plan.
+    trtexec_args = onnx_dir / "trtexec.args"
+    if context.target == "gpu" and model.gpu_backend == "tensorrt_plan":
+        trtexec_args.write_text("\n".join(model.trtexec_args()) + "\n")
+    elif trtexec_args.exists():
+        trtexec_args.unlink()
     build_extra_versions(model, context, ONNX_RUNNER, log)
     return [model.name] + build_latency_variants(model, context, ONNX_RUNNER)
 
