@@ -2,6 +2,7 @@
 
 from .part import Part
 from .router_part import RouterPart
+from .speech_part import SpeechPart
 from .text_part import TextPart
 from .vision_part import VisionPart
 
@@ -10,4 +11,5 @@ PARTS: dict[str, Part] = {
     # Its route file also adjusts other parts' compute models (canary versions).
     "router": RouterPart(),
     "vision": VisionPart(),
+    "speech": SpeechPart(),
 }
