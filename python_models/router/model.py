@@ -19,6 +19,9 @@ from triton_pipelines.errors import InputError
 from triton_pipelines.gateway import GatewayClient
 from triton_pipelines.routing import RouteError, Router, RouteTable, SplitFile, json_bytes
 
+# Error codes: bad input → INVALID_ARG (HTTP 400); the gateway missing or down → UNAVAILABLE;
+# anything else → INTERNAL.
+UNAVAILABLE_REASONS = ("not_configured", "circuit_open", "timeout", "unreachable", "upstream_status")
 LATENCY_BUCKETS_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
 
 
@@ -91,27 +94,29 @@ class TritonPythonModel:
         payloads = tensors["payload"].as_numpy().reshape(-1)
         classes = tensors["latency_class"].as_numpy().reshape(-1) if tensors["latency_class"] else None
         if len(payloads) != len(tasks) or (classes is not None and len(classes) not in (1, len(tasks))):
-            return self.error("inputs 'task', 'payload' and 'latency_class' need the same batch size")
+            return self.error("invalid_input", "inputs 'task', 'payload' and 'latency_class' need the same batch size")
         if len(tasks) > self.router.table.max_rows_per_request:
-            return self.error(f"{len(tasks)} rows in one request; the limit is "
+            return self.error("invalid_input", f"{len(tasks)} rows in one request; the limit is "
                               f"{self.router.table.max_rows_per_request}")
         rows = await asyncio.gather(*(
             self.route_one(tasks[i], payloads[i], None if classes is None else classes[min(i, len(classes) - 1)],
                            request.request_id() or None)
             for i in range(len(tasks))))
-        failed = [message for ok, message in rows if not ok]
+        failed = [(reason, message) for reason, message in rows if reason]
         if failed:
-            return self.error(failed[0] if len(rows) == 1 else "; ".join(
-                f"row {i}: {message}" for i, (ok, message) in enumerate(rows) if not ok))
+            return self.error(failed[0][0], failed[0][1] if len(rows) == 1 else "; ".join(
+                f"row {i}: {message}" for i, (reason, message) in enumerate(rows) if reason))
         result = np.array([[message] for _, message in rows], dtype=np.object_)
         return pb_utils.InferenceResponse([pb_utils.Tensor("result", result)])
 
     @staticmethod
-    def error(message):
-        return pb_utils.InferenceResponse(error=pb_utils.TritonError(message))
+    def error(reason, message):
+        code = (pb_utils.TritonError.INVALID_ARG if reason == "invalid_input" else
+                pb_utils.TritonError.UNAVAILABLE if reason in UNAVAILABLE_REASONS else pb_utils.TritonError.INTERNAL)
+        return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
 
     async def route_one(self, task, payload, latency_class, key):
-        """(True, result JSON bytes) or (False, error message); records the metrics."""
+        """(None, result JSON bytes) or (failure reason, error message); records the metrics."""
         try:
             routed = self.router.prepare(task, payload, latency_class, key)
         except InputError as error:
@@ -119,7 +124,7 @@ class TritonPythonModel:
             label = task.decode().strip() if known else "unknown"
             route = self.router.table.tasks[label].route if known else "none"
             self.metrics.record(label, route, reason="invalid_input")
-            return False, str(error)
+            return "invalid_input", str(error)
         started = time.monotonic()
         completion = None
         try:
@@ -134,10 +139,10 @@ class TritonPythonModel:
         except RouteError as error:
             self.metrics.record(routed.task, routed.route, reason=error.reason,
                                 latency_s=time.monotonic() - started, routed=routed)
-            return False, f"task {routed.task} ({routed.route}): {error}"
+            return error.reason, f"task {routed.task} ({routed.route}): {error}"
         self.metrics.record(routed.task, routed.route, latency_s=time.monotonic() - started, routed=routed,
                             completion=completion)
-        return True, json_bytes(result)
+        return None, json_bytes(result)
 
     async def call_triton(self, routed):
         bls = pb_utils.InferenceRequest(

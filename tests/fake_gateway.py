@@ -1,0 +1,118 @@
+"""A local OpenAI-compatible chat-completions server on 127.0.0.1 for the router's gateway tests.
+
+Real HTTP (``http.server``), no network beyond loopback. It records every request (path, headers,
+JSON body) and answers from a script: each queued ``Reply`` is used once, in order; with the queue
+empty it answers ``default``. A reply can be slow (``delay_s``), fail (``status``), be garbage
+(``raw``), or report the given usage.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+@dataclass
+class Reply:
+    status: int = 200
+    delay_s: float = 0.0
+    content: str | None = None  # default: "echo:<model>:<last user text>"
+    prompt_tokens: int | None = 11
+    completion_tokens: int | None = 7
+    raw: bytes | None = None  # sent as-is (with status), e.g. b"not json"
+
+
+@dataclass
+class Recorded:
+    path: str
+    headers: dict[str, str]
+    body: dict
+
+
+class FakeGateway:
+    def __init__(self):
+        self.requests: list[Recorded] = []
+        self.queue: list[Reply] = []
+        self.default = Reply()
+        self.lock = threading.Lock()
+        gateway = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):  # quiet
+                pass
+
+            def do_POST(self):
+                length = int(self.headers.get("Content-Length") or 0)
+                raw = self.rfile.read(length)
+                try:
+                    body = json.loads(raw)
+                except ValueError:
+                    body = {"_raw": raw.decode("utf-8", "replace")}
+                with gateway.lock:
+                    gateway.requests.append(Recorded(self.path, {k.lower(): v for k, v in self.headers.items()}, body))
+                    reply = gateway.queue.pop(0) if gateway.queue else gateway.default
+                if reply.delay_s:
+                    time.sleep(reply.delay_s)
+                if reply.raw is not None:
+                    payload, content_type = reply.raw, "application/json"
+                elif reply.status != 200:
+                    payload = json.dumps({"error": {"message": f"fake failure {reply.status}",
+                                                    "type": "server_error"}}).encode()
+                    content_type = "application/json"
+                else:
+                    payload, content_type = json.dumps(gateway.completion(body, reply)).encode(), "application/json"
+                try:
+                    self.send_response(reply.status)
+                    self.send_header("Content-Type", content_type)
+                    self.send_header("Content-Length", str(len(payload)))
+                    self.end_headers()
+                    self.wfile.write(payload)
+                except (BrokenPipeError, ConnectionResetError):  # the client timed out and left
+                    pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    @staticmethod
+    def completion(body: dict, reply: Reply) -> dict:
+        messages = body.get("messages") or [{}]
+        last = messages[-1].get("content")
+        text = last if isinstance(last, str) else json.dumps(last)
+        usage = None
+        if reply.prompt_tokens is not None and reply.completion_tokens is not None:
+            usage = {"prompt_tokens": reply.prompt_tokens, "completion_tokens": reply.completion_tokens,
+                     "total_tokens": reply.prompt_tokens + reply.completion_tokens}
+        return {
+            "id": "chatcmpl-fake", "object": "chat.completion", "created": int(time.time()),
+            "model": body.get("model"),
+            "choices": [{"index": 0, "finish_reason": "stop", "message": {
+                "role": "assistant",
+                "content": reply.content if reply.content is not None else f"echo:{body.get('model')}:{text}"}}],
+            "usage": usage,
+        }
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+
+    def script(self, *replies: Reply) -> None:
+        with self.lock:
+            self.queue = list(replies)
+
+    def reset(self) -> None:
+        with self.lock:
+            self.queue, self.requests, self.default = [], [], Reply()
+
+    def start(self) -> "FakeGateway":
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
