@@ -91,9 +91,11 @@ def open_image(data: bytes, config: PreprocessConfig, name: str = "image"):
         raise InputError(f"input '{name}' is {len(data)} bytes; the limit is {config.max_image_bytes} bytes")
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            # Our own pixel limit (below) decides; Pillow still raises DecompressionBombError
+            # beyond twice its MAX_IMAGE_PIXELS.
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             image = Image.open(io.BytesIO(data), formats=ACCEPTED_FORMATS)
-    except (UnidentifiedImageError, Image.DecompressionBombWarning, Image.DecompressionBombError) as error:
+    except (UnidentifiedImageError, Image.DecompressionBombError) as error:
         if isinstance(error, UnidentifiedImageError):
             head = data[:16]
             raise InputError(
@@ -132,10 +134,10 @@ def to_rgb(image):
         # 16-bit grayscale (PNG): scale 0..65535 to 0..255; Pillow's convert("L") would clip at 255.
         values = np.asarray(image, dtype=np.float64)
         gray = np.clip(np.rint(values / 257.0), 0, 255).astype(np.uint8)
-        return Image.fromarray(gray, "L").convert("RGB")
+        return Image.fromarray(gray).convert("RGB")  # 2-D uint8: mode L
     if mode == "F":
         values = np.asarray(image, dtype=np.float64)
-        return Image.fromarray(np.clip(np.rint(values), 0, 255).astype(np.uint8), "L").convert("RGB")
+        return Image.fromarray(np.clip(np.rint(values), 0, 255).astype(np.uint8)).convert("RGB")
     if mode == "P":
         image = image.convert("RGBA" if "transparency" in image.info else "RGB")
     elif mode in ("LA", "La", "PA", "RGBa"):
