@@ -6,8 +6,8 @@ same flags the container uses (explicit model control, every model loaded at sta
 
     python -m triton_pipelines.embedded_server --model-repository model_repository
 
-Ctrl-C / SIGTERM are forwarded to the server, which stops accepting work, lets in-flight requests
-finish (``--exit-timeout-secs``) and unloads the models.
+Ctrl-C / SIGTERM drain the server first (models are unloaded top-down, so requests in flight,
+ensembles included, finish: see ``drain.py``), then SIGTERM stops it (``--exit-timeout-secs``).
 """
 
 from __future__ import annotations
@@ -20,11 +20,14 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from .drain import drain
 
 DEFAULT_HTTP_PORT = 8000
 DEFAULT_GRPC_PORT = 8001
@@ -142,8 +145,12 @@ class EmbeddedServer:
         raise TimeoutError(f"tritonserver was not ready after {timeout_s:.0f} s")
 
     def stop(self, timeout_s: float | None = None) -> int:
-        """SIGTERM: the server finishes in-flight requests, unloads models and exits."""
+        """Drain (unload models top-down, in-flight requests finish), then SIGTERM."""
         if self.process.poll() is None:
+            try:
+                drain(self.http_url, timeout_s=self.options.exit_timeout_secs)
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as error:
+                print(f"drain skipped: {error}", file=sys.stderr)
             self.process.send_signal(signal.SIGTERM)
             try:
                 self.process.wait(timeout=timeout_s or self.options.exit_timeout_secs + 30)
@@ -207,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend-dir", type=Path, help="default: a temporary folder")
     parser.add_argument("--exit-timeout-secs", type=int, default=30)
     parser.add_argument("--log-verbose", type=int, default=0)
+    parser.add_argument("--load-model", action="append", dest="models", metavar="NAME",
+                        help="load only these models at start (repeatable); default: every model")
     parser.add_argument("extra_args", nargs="*", help="passed to tritonserver after `--`")
     args = parser.parse_args(argv)
     if not (args.model_repository / ".built").exists():
@@ -219,12 +228,21 @@ def main(argv: list[str] | None = None) -> int:
         backend_dir=args.backend_dir,
         exit_timeout_secs=args.exit_timeout_secs,
         log_verbose=args.log_verbose,
+        models=args.models,
         extra_args=args.extra_args,
     )
     server = EmbeddedServer(options)
-    # The server logs to this terminal; we only forward signals and report readiness.
+    stopping = threading.Event()
+
+    def on_signal(*_):
+        # Drain in a thread: the main thread keeps waiting on the server process.
+        if not stopping.is_set():
+            stopping.set()
+            threading.Thread(target=server.stop, daemon=True).start()
+
+    # The server logs to this terminal; we forward Ctrl-C/SIGTERM as a drain, then SIGTERM.
     for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: server.process.send_signal(signal.SIGTERM))
+        signal.signal(signum, on_signal)
     try:
         server.wait_ready()
         print(
@@ -233,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     except (RuntimeError, TimeoutError) as error:
+        if stopping.is_set():  # Ctrl-C before it was ready
+            return server.process.wait()
         print(f"error: {error}", file=sys.stderr)
         server.stop()
         return 1

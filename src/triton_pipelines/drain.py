@@ -1,0 +1,74 @@
+"""Drain a running Triton before SIGTERM so in-flight requests finish.
+
+Triton's own shutdown first stops every model's scheduler, then waits for in-flight requests. An
+ensemble (or BLS) request in flight at that moment fails at its next step: "Server is stopping,
+scheduler for model has stopped accepting new inference requests" (triton-inference-server/server
+issue 6287). Unloading a model instead rejects new requests to it at once but lets its in-flight
+ones finish while the models it calls stay loaded. So we unload top-down, one layer at a time:
+first the models nothing else calls, wait until they are gone, then the next layer.
+
+Callers: an ensemble calls its steps' models; a Python model declares the models it calls through
+BLS in its config: ``parameters { key: "bls_dependencies" value { string_value: "a,b" } }``, or
+``"*"`` for every other model (a router).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from typing import Iterable, Mapping
+
+
+def dependencies(config: Mapping) -> set[str]:
+    """Models that a model (by its JSON config, as /v2/models/<m>/config returns it) calls."""
+    called = {step["model_name"] for step in config.get("ensemble_scheduling", {}).get("step", [])}
+    declared = config.get("parameters", {}).get("bls_dependencies", {}).get("string_value", "")
+    called |= {name.strip() for name in declared.split(",") if name.strip()}
+    return called
+
+
+def unload_layers(calls: Mapping[str, set[str]]) -> list[list[str]]:
+    """Order models so that a model is unloaded only after every model that calls it."""
+    remaining = set(calls)
+    layers = []
+    while remaining:
+        called = set()
+        for model in remaining:
+            targets = calls[model]
+            called |= (remaining - {model}) if "*" in targets else (targets & remaining) - {model}
+        layer = sorted(remaining - called) or sorted(remaining)  # a cycle: unload the rest together
+        layers.append(layer)
+        remaining -= set(layer)
+    return layers
+
+
+def _request(url: str, body: dict | None = None, timeout: float = 10) -> dict | list:
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data=data, method="POST" if data is not None else "GET")
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        payload = response.read()
+    return json.loads(payload) if payload else {}
+
+
+def drain(http_url: str, timeout_s: float = 30.0, poll_s: float = 0.1) -> list[list[str]]:
+    """Unload every loaded model top-down; returns the layers. Bounded by ``timeout_s``."""
+    base = f"http://{http_url}/v2"
+    deadline = time.monotonic() + timeout_s
+    ready = [m["name"] for m in _request(f"{base}/repository/index", {"ready": True})]
+    calls = {name: dependencies(_request(f"{base}/models/{name}/config")) for name in ready}
+    layers = unload_layers(calls)
+    for layer in layers:
+        for name in layer:
+            _request(f"{base}/repository/models/{name}/unload", {})
+        _wait_unloaded(base, layer, deadline, poll_s)
+    return layers
+
+
+def _wait_unloaded(base: str, names: Iterable[str], deadline: float, poll_s: float) -> None:
+    pending = set(names)
+    while pending and time.monotonic() < deadline:
+        states = {m["name"]: m.get("state", "") for m in _request(f"{base}/repository/index", {})}
+        pending = {n for n in pending if states.get(n) in ("READY", "UNLOADING", "LOADING")}
+        if pending:
+            time.sleep(poll_s)

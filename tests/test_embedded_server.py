@@ -1,0 +1,114 @@
+"""The embedded launcher: ports, readiness, and a clean stop that lets in-flight requests finish."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from triton_pipelines import embedded_server
+from triton_pipelines.client import TritonClient, text_tensor
+from triton_pipelines.embedded_server import ServerOptions, server_command, start_on_free_ports
+
+from .conftest import LOG_DIR, ensure_repository
+
+TEXT_EMBEDDING_MODELS = ["text_tokenizer", "text_encoder", "embedding_pooler", "text_embedding"]
+
+
+def test_ports_come_from_flags_then_environment_then_defaults(monkeypatch):
+    monkeypatch.setenv("TRITON_HTTP_PORT", "9100")
+    assert embedded_server._port(None, "TRITON_HTTP_PORT", 8000) == 9100
+    assert embedded_server._port(9200, "TRITON_HTTP_PORT", 8000) == 9200
+    monkeypatch.delenv("TRITON_HTTP_PORT")
+    assert embedded_server._port(None, "TRITON_HTTP_PORT", 8000) == 8000
+
+
+def test_server_command_loads_every_model_in_explicit_mode():
+    command = server_command(ServerOptions(model_repository=Path("repo"), backend_dir=Path("b"),
+                                           http_port=1, grpc_port=2, metrics_port=3))
+    assert "--model-control-mode=explicit" in command and "--load-model=*" in command
+    assert {"--http-port=1", "--grpc-port=2", "--metrics-port=3"} <= set(command)
+
+
+def test_sigterm_lets_in_flight_requests_finish():
+    """SIGTERM while requests are in flight: each gets its answer, then the server exits 0."""
+    server = start_on_free_ports(ensure_repository(), LOG_DIR / "shutdown-server.log",
+                                 models=TEXT_EMBEDDING_MODELS)
+    long_text = " ".join(["an order that arrived late and damaged"] * 30)
+    clients = [TritonClient("grpc", server.grpc_url) for _ in range(6)]
+    started = threading.Barrier(7)
+
+    def call(i):
+        started.wait()
+        return clients[i].infer("text_embedding", {"text": text_tensor([long_text] * 4)})["embedding"]
+
+    try:
+        with ThreadPoolExecutor(6) as pool:
+            futures = [pool.submit(call, i) for i in range(6)]
+            started.wait()
+            time.sleep(0.3)  # the requests are queued or executing
+            assert server.process.poll() is None
+            code = server.stop()
+            results = [f.result(timeout=120) for f in futures]
+    finally:
+        server.stop()
+        for c in clients:
+            c.close()
+    assert code == 0
+    assert all(r.shape == (4, 384) and np.isfinite(r).all() for r in results)
+
+
+def test_a_model_that_fails_to_load_stops_the_start(tmp_path):
+    """A broken repository is reported at start, not discovered by the first request."""
+    broken = tmp_path / "repo"
+    (broken / "broken" / "1").mkdir(parents=True)
+    (broken / "broken" / "config.pbtxt").write_text('name: "broken"\nbackend: "python"\n')
+    (broken / "broken" / "1" / "model.py").write_text("raise ImportError('deliberately broken')\n")
+    with pytest.raises(RuntimeError, match="exited"):
+        start_on_free_ports(broken, tmp_path / "log", timeout_s=120)
+
+
+def test_unload_layers_put_callers_before_the_models_they_call():
+    from triton_pipelines.drain import dependencies, unload_layers
+
+    ensemble = {"ensemble_scheduling": {"step": [{"model_name": "tok"}, {"model_name": "enc"}]}}
+    router = {"parameters": {"bls_dependencies": {"string_value": "*"}}}
+    decoder_loop = {"parameters": {"bls_dependencies": {"string_value": "dec, enc"}}}
+    calls = {"router": dependencies(router), "embed": dependencies(ensemble), "tok": set(), "enc": set(),
+             "loop": dependencies(decoder_loop), "dec": set()}
+    assert calls["embed"] == {"tok", "enc"} and calls["loop"] == {"dec", "enc"}
+    assert unload_layers(calls) == [["router"], ["embed", "loop"], ["dec", "enc", "tok"]]
+
+
+def test_cli_serves_on_environment_ports_and_stops_cleanly_on_ctrl_c():
+    import os
+    import signal
+    import subprocess
+    import sys
+    import urllib.request
+
+    from triton_pipelines.embedded_server import free_ports
+
+    http, grpc, metrics = free_ports(3)
+    env = dict(os.environ, TRITON_HTTP_PORT=str(http), TRITON_GRPC_PORT=str(grpc), TRITON_METRICS_PORT=str(metrics))
+    log = open(LOG_DIR / "cli-server.log", "wb")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "triton_pipelines.embedded_server", "--model-repository", str(ensure_repository()),
+         "--load-model", "text_tokenizer"], env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and process.poll() is None:
+            if "Triton is ready" in (LOG_DIR / "cli-server.log").read_text(errors="replace"):
+                break
+            time.sleep(0.5)
+        assert urllib.request.urlopen(f"http://localhost:{http}/v2/health/ready", timeout=5).status == 200
+        assert urllib.request.urlopen(f"http://localhost:{metrics}/metrics", timeout=5).status == 200
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=90) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
