@@ -113,3 +113,60 @@ def test_intent_file_has_the_customer_support_intents():
     examples, temperature = load_intent_examples(INTENTS_FILE)
     assert {"password_reset", "billing", "shipping", "cancellation", "technical_support", "greeting"} <= set(examples)
     assert temperature > 0
+
+
+def test_parse_buckets():
+    from triton_pipelines.text import parse_buckets
+
+    assert parse_buckets("64, 16,32") == (16, 32, 64)
+    assert parse_buckets("none") == ()
+
+
+def test_tokenizer_without_buckets_pads_to_longest_text_only():
+    tokenizer = TextTokenizer(minilm_dir() / "tokenizer.json", buckets=())
+    assert tokenizer.encode(["hello", "hello world"]).input_ids.shape == (2, 4)
+
+
+def test_ragged_batch_is_padded_and_outputs_trimmed_back(tmp_path):
+    """With pad_ragged=True, requests of different lengths run as one padded batch and each
+    request gets its own length back; padded positions are masked, so values match solo runs."""
+    from pathlib import Path
+
+    from triton_pipelines.onnx_runner import OnnxBatchRunner
+
+    onnx_path = Path(__file__).resolve().parents[1] / "model_repository" / "text_encoder" / "1" / "model.onnx"
+    if not onnx_path.exists():
+        pytest.skip("model_repository/ not built (make test builds it first)")
+    tokenizer = TextTokenizer(minilm_dir() / "tokenizer.json", buckets=())
+    short, long = tokenizer.encode(["hi"]), tokenizer.encode(["a much longer request about my order"])
+    feeds = [{"input_ids": t.input_ids, "attention_mask": t.attention_mask} for t in (short, long)]
+    ragged = OnnxBatchRunner(onnx_path, intra_op_threads=1, pad_ragged=True).run(feeds)
+    solo = [OnnxBatchRunner(onnx_path, intra_op_threads=1).run([f])[0] for f in feeds]
+    for got, expected, tokens in zip(ragged, solo, (short, long)):
+        assert got["last_hidden_state"].shape == expected["last_hidden_state"].shape
+        np.testing.assert_allclose(got["last_hidden_state"], expected["last_hidden_state"], atol=1e-4)
+
+
+def test_exported_encoder_matches_transformers_on_a_padded_mixed_batch():
+    """The ONNX file Triton serves equals the torch model it was exported from (dynamic axes:
+    another batch size and length than the export's dummy input)."""
+    from pathlib import Path
+
+    import torch
+    from transformers import BertModel
+
+    from triton_pipelines.onnx_runner import OnnxBatchRunner
+
+    onnx_path = Path(__file__).resolve().parents[1] / "model_repository" / "text_encoder" / "1" / "model.onnx"
+    if not onnx_path.exists():
+        pytest.skip("model_repository/ not built (make test builds it first)")
+    tokens = TextTokenizer(minilm_dir() / "tokenizer.json").encode(
+        ["short", "a medium length sentence about billing", "word " * 40])
+    (ours,) = OnnxBatchRunner(onnx_path, intra_op_threads=1).run(
+        [{"input_ids": tokens.input_ids, "attention_mask": tokens.attention_mask}])
+    model = BertModel.from_pretrained(str(minilm_dir()), add_pooling_layer=False).eval()
+    with torch.no_grad():
+        expected = model(input_ids=torch.from_numpy(tokens.input_ids),
+                         attention_mask=torch.from_numpy(tokens.attention_mask)).last_hidden_state.numpy()
+    mask = tokens.attention_mask.astype(bool)
+    np.testing.assert_allclose(ours["last_hidden_state"][mask], expected[mask], atol=1e-4)

@@ -23,6 +23,7 @@ class TritonPythonModel:
             version_dir / parameters.get("onnx_file", "model.onnx"),
             intra_op_threads=int(parameters.get("intra_op_threads", "0")),
             output_names=self.output_names,
+            pad_ragged=any(i.get("allow_ragged_batch", False) for i in config["input"]),
         )
 
     def execute(self, requests):

@@ -6,7 +6,7 @@ import triton_python_backend_utils as pb_utils
 
 from triton_pipelines.backend import error_response, model_parameters
 from triton_pipelines.errors import InputError
-from triton_pipelines.text import TextTokenizer, decode_texts
+from triton_pipelines.text import TextTokenizer, decode_texts, parse_buckets
 
 
 class TritonPythonModel:
@@ -15,7 +15,8 @@ class TritonPythonModel:
         self.max_text_bytes = int(parameters["max_text_bytes"])
         version_dir = Path(args["model_repository"]) / args["model_version"]
         self.tokenizer = TextTokenizer(version_dir / "tokenizer.json",
-                                       max_length=int(parameters["max_sequence_length"]))
+                                       max_length=int(parameters["max_sequence_length"]),
+                                       buckets=parse_buckets(parameters["length_buckets"]))
 
     def execute(self, requests):
         responses = []

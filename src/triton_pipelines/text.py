@@ -49,11 +49,19 @@ def decode_texts(raw: np.ndarray, input_name: str = "text", max_bytes: int = MAX
     return texts
 
 
+def parse_buckets(value: str) -> tuple[int, ...]:
+    """"16,32,64" → (16, 32, 64); "none" → () (no buckets: pad to the longest text only)."""
+    if value.strip().lower() == "none":
+        return ()
+    return tuple(sorted(int(v) for v in value.split(",") if v.strip()))
+
+
 def bucket_length(length: int, buckets: Sequence[int] = LENGTH_BUCKETS) -> int:
+    """The smallest bucket that holds ``length``; ``length`` itself when there are no buckets."""
     for bucket in buckets:
         if length <= bucket:
             return bucket
-    return buckets[-1]
+    return buckets[-1] if buckets else length
 
 
 @dataclass
@@ -72,7 +80,7 @@ class TextTokenizer:
         self.tokenizer = Tokenizer.from_file(str(tokenizer_json))
         self.tokenizer.no_padding()
         self.tokenizer.enable_truncation(max_length=max_length)
-        self.buckets = tuple(b for b in buckets if b < max_length) + (max_length,)
+        self.buckets = tuple(b for b in buckets if b < max_length) + (max_length,) if buckets else ()
         self.pad_id = self.tokenizer.token_to_id("[PAD]") or 0
 
     def encode(self, texts: Sequence[str]) -> TokenBatch:

@@ -1,0 +1,240 @@
+"""Unit tests for the speech pipeline logic (triton_pipelines.speech): no server."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile
+
+from repo_builder.speech_part import whisper_assets_dir
+from triton_pipelines.errors import InputError
+from triton_pipelines.speech import (
+    MAX_TARGET_POSITIONS,
+    SAMPLE_RATE,
+    WINDOW_SAMPLES,
+    GreedyBatch,
+    WhisperTokenizer,
+    decode_audio,
+    group_windows,
+    join_transcript,
+    load_mel_filters,
+    log_mel_spectrogram,
+    pad_windows,
+    plan_request,
+    split_windows,
+    suppress_mask,
+)
+
+DATA = Path(__file__).resolve().parent / "data"
+
+
+@pytest.fixture(scope="module")
+def filters() -> np.ndarray:
+    return load_mel_filters(whisper_assets_dir() / "mel_filters.npz", 80)
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> WhisperTokenizer:
+    return WhisperTokenizer(whisper_assets_dir() / "multilingual.tiktoken")
+
+
+def wav_bytes(samples: np.ndarray, rate: int = SAMPLE_RATE, subtype: str = "PCM_16", fmt: str = "WAV") -> bytes:
+    buffer = io.BytesIO()
+    soundfile.write(buffer, samples, rate, subtype=subtype, format=fmt)
+    return buffer.getvalue()
+
+
+def tone(seconds: float, rate: int = SAMPLE_RATE, freq: float = 440.0) -> np.ndarray:
+    t = np.arange(int(seconds * rate)) / rate
+    return (0.3 * np.sin(2 * np.pi * freq * t) * (1 + 0.5 * np.sin(2 * np.pi * 3 * t))).astype(np.float32)
+
+
+# --- features ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n_mels", [80, 128])
+def test_log_mel_matches_hugging_face_feature_extractor(n_mels):
+    from transformers import WhisperFeatureExtractor
+
+    speech = decode_audio((DATA / "speech_hello.wav").read_bytes())
+    noise = np.random.default_rng(0).standard_normal(SAMPLE_RATE // 2).astype(np.float32) * 0.1
+    clips = [speech, tone(2.0), noise, np.zeros(SAMPLE_RATE, np.float32)]
+    filters = load_mel_filters(whisper_assets_dir() / "mel_filters.npz", n_mels)
+    ours = np.stack([log_mel_spectrogram(c, filters) for c in clips])
+    reference = WhisperFeatureExtractor(feature_size=n_mels)(
+        clips, sampling_rate=SAMPLE_RATE, return_tensors="np").input_features
+    assert ours.shape == reference.shape == (len(clips), n_mels, 3000)
+    np.testing.assert_allclose(ours, reference, atol=1e-4, rtol=0)
+
+
+def test_long_audio_is_split_into_30_second_windows():
+    audio = np.arange(int(2.5 * WINDOW_SAMPLES), dtype=np.float32)
+    windows = split_windows(audio)
+    assert [len(w) for w in windows] == [WINDOW_SAMPLES, WINDOW_SAMPLES, WINDOW_SAMPLES // 2]
+    np.testing.assert_array_equal(np.concatenate(windows), audio)
+    assert [len(w) for w in split_windows(np.zeros(10, np.float32))] == [10]
+
+
+def test_pad_windows_pads_items_to_the_longest():
+    stacked, counts = pad_windows([np.ones((2, 80, 3000), np.float32), np.ones((1, 80, 3000), np.float32)])
+    assert stacked.shape == (2, 2, 80, 3000) and counts.tolist() == [2, 1]
+    assert stacked[1, 1].sum() == 0 and stacked[1, 0].sum() == 80 * 3000
+
+
+# --- audio decoding ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("subtype", ["PCM_U8", "PCM_16", "PCM_24", "PCM_32", "FLOAT"])
+def test_sample_formats_decode_to_the_same_waveform(subtype):
+    original = tone(1.0)
+    decoded = decode_audio(wav_bytes(original, subtype=subtype))
+    assert decoded.dtype == np.float32 and decoded.shape == original.shape
+    tolerance = 1.5 / 128 if subtype == "PCM_U8" else 1e-4
+    np.testing.assert_allclose(decoded, original, atol=tolerance)
+
+
+@pytest.mark.parametrize("rate", [8000, 22050, 44100, 48000])
+def test_other_sample_rates_are_resampled_to_16k(rate, filters):
+    decoded = decode_audio(wav_bytes(tone(1.0, rate), rate=rate))
+    assert abs(len(decoded) - SAMPLE_RATE) <= 1
+    expected = tone(1.0)
+    # soxr HQ: a 440 Hz tone survives resampling almost exactly (edges excluded)
+    np.testing.assert_allclose(decoded[200:-200], expected[200:len(decoded) - 200], atol=2e-3)
+
+
+def test_stereo_is_averaged_to_mono():
+    left, right = tone(0.5, freq=300), tone(0.5, freq=900)
+    decoded = decode_audio(wav_bytes(np.stack([left, right], axis=1), subtype="FLOAT"))
+    np.testing.assert_allclose(decoded, (left + right) / 2, atol=1e-6)
+
+
+@pytest.mark.parametrize("fmt,subtype", [("FLAC", "PCM_16"), ("OGG", "VORBIS")])
+def test_flac_and_ogg_decode(fmt, subtype):
+    decoded = decode_audio(wav_bytes(tone(1.0), subtype=subtype, fmt=fmt))
+    assert abs(len(decoded) - SAMPLE_RATE) < 200 and np.abs(decoded).max() > 0.1
+
+
+@pytest.mark.parametrize("data,message", [
+    (b"", r"'audio'\[0\] is empty \(0 bytes\)"),
+    (b"RIFF....WAVEfmt garbage that is not audio", r"'audio'\[0\] is not a decodable audio file"),
+    (b"\x00\x01" * 500, r"'audio'\[0\] is not a decodable audio file"),
+    (wav_bytes(np.zeros(0, np.float32)), r"'audio'\[0\] contains no audio samples"),
+])
+def test_bad_audio_is_refused_with_a_clear_message(data, message):
+    with pytest.raises(InputError, match=message):
+        decode_audio(data)
+
+
+def test_too_long_audio_is_refused_before_decoding():
+    ten_minutes = wav_bytes(np.zeros(600 * 8000, np.float32), rate=8000, subtype="PCM_U8")
+    with pytest.raises(InputError, match=r"'audio'\[3\] is 600.0 s long; the limit is 300 s"):
+        decode_audio(ten_minutes, index=3)
+    with pytest.raises(InputError, match="the limit is 1000 bytes"):
+        decode_audio(wav_bytes(tone(1.0)), max_bytes=1000)
+
+
+def test_non_finite_float_samples_are_refused():
+    samples = tone(0.2)
+    samples[10] = np.nan
+    with pytest.raises(InputError, match="NaN or infinite"):
+        decode_audio(wav_bytes(samples, subtype="FLOAT"))
+
+
+# --- tokenizer ----------------------------------------------------------------------------------
+
+
+def test_tokenizer_special_ids_match_openai_whisper(tokenizer):
+    # The ids openai-whisper's get_tokenizer(multilingual=True) gives (tiny ... large-v2).
+    assert tokenizer.n_vocab == 51865
+    assert (tokenizer.eot, tokenizer.sot, tokenizer.no_timestamps) == (50257, 50258, 50363)
+    assert tokenizer.prompt("en", "transcribe") == [50258, 50259, 50359, 50363]
+    assert tokenizer.prompt("de", "translate") == [50258, 50261, 50358, 50363]
+
+
+def test_large_v3_tokenizer_has_100_languages():
+    large = WhisperTokenizer.for_vocab_size(whisper_assets_dir() / "multilingual.tiktoken", 51866)
+    assert large.n_vocab == 51866 and large.special["<|yue|>"] == 50358
+    assert large.prompt("en") == [50258, 50259, 50360, 50364]
+
+
+def test_detokenizing_known_ids_gives_known_text(tokenizer):
+    # " Hello world." in Whisper's multilingual vocabulary, between a prompt and <|endoftext|>.
+    assert tokenizer.encode(" Hello world.") == [2425, 1002, 13]
+    assert tokenizer.decode([50258, 50259, 50359, 50363, 2425, 1002, 13, 50257]) == " Hello world."
+    for text in (" Guten Morgen, wie geht's?", " こんにちは世界", " Ça va très bien."):
+        assert tokenizer.decode(tokenizer.encode(text)) == text
+
+
+def test_unknown_language_or_task_is_an_input_error(tokenizer):
+    with pytest.raises(InputError, match="unknown language 'klingon'"):
+        tokenizer.prompt("klingon")
+    with pytest.raises(InputError, match="unknown task 'summarize'"):
+        tokenizer.prompt("en", "summarize")
+
+
+def test_join_transcript_strips_and_joins_windows(tokenizer):
+    windows = [tokenizer.encode(" Hello world."), [], tokenizer.encode(" Second window.")]
+    assert join_transcript(tokenizer, windows) == "Hello world. Second window."
+
+
+# --- greedy state machine -----------------------------------------------------------------------
+
+
+def logits_for(tokens: list[int], vocab: int = 51865) -> np.ndarray:
+    logits = np.zeros((len(tokens), vocab), np.float32)
+    logits[np.arange(len(tokens)), tokens] = 1.0
+    return logits
+
+
+def test_greedy_batch_stops_at_eot_and_max_tokens_and_compacts(tokenizer):
+    eot = tokenizer.eot
+    prompts = np.array([tokenizer.prompt()] * 3)
+    state = GreedyBatch(prompts, eot, np.array([5, 2, 5]), suppress_mask(51865, eot))
+    assert state.next_ids.shape == (3, 4)
+    assert state.advance(logits_for([10, 11, 12])) is None  # nobody finished
+    assert state.next_ids.tolist() == [[10], [11], [12]]
+    rows = state.advance(logits_for([eot, 21, 22]))  # window 0: eot; window 1: its 2-token bound
+    assert rows.tolist() == [2] and state.active.tolist() == [2] and state.next_ids.tolist() == [[22]]
+    assert state.advance(logits_for([eot])).tolist() == []
+    assert state.done and state.tokens == [[10], [11, 21], [12, 22]]
+
+
+def test_greedy_batch_suppresses_special_tokens_except_eot(tokenizer):
+    state = GreedyBatch(np.array([tokenizer.prompt()]), tokenizer.eot, 3, suppress_mask(51865, tokenizer.eot))
+    logits = np.zeros((1, 51865), np.float32)
+    logits[0, tokenizer.no_timestamps] = 5.0  # suppressed
+    logits[0, 7] = 1.0
+    state.advance(logits)
+    assert state.tokens == [[7]]
+
+
+def test_greedy_batch_without_compaction_keeps_rows(tokenizer):
+    eot = tokenizer.eot
+    state = GreedyBatch(np.array([tokenizer.prompt()] * 2), eot, 3, suppress_mask(51865, eot), compact=False)
+    assert state.advance(logits_for([eot, 5])) is None and state.next_ids.shape == (2, 1)
+    state.advance(logits_for([9, 6]))
+    state.advance(logits_for([9, 7]))
+    assert state.done and state.tokens == [[], [5, 6, 7]]
+
+
+def test_plan_request_validates_and_expands_per_window(tokenizer):
+    features = np.zeros((2, 2, 80, 3000), np.float32)
+    job = plan_request(tokenizer, features, np.array([[2], [1]], np.int32),
+                       language=np.array([[b"de"], [b""]], dtype=object),
+                       max_new_tokens=np.array([[7], [3]], np.int32))
+    assert job.features.shape == (3, 80, 3000) and job.windows_per_item == [2, 1]
+    assert job.prompts[:, 1].tolist() == [50261, 50261, 50259]  # de, de, en (the default)
+    assert job.max_new_tokens.tolist() == [7, 7, 3]
+    with pytest.raises(InputError, match="num_windows"):
+        plan_request(tokenizer, features, np.array([[3], [1]], np.int32))
+    with pytest.raises(InputError, match=f"max_new_tokens' must hold one value in 1..{MAX_TARGET_POSITIONS - 4}"):
+        plan_request(tokenizer, features, None, max_new_tokens=np.array([[0], [5]], np.int32))
+    with pytest.raises(InputError, match="unknown language 'xx'"):
+        plan_request(tokenizer, features, None, language=np.array([[b"en"], [b"xx"]], dtype=object))
+
+
+def test_group_windows():
+    assert group_windows([[1], [2], [3]], [2, 1]) == [[[1], [2]], [[3]]]
