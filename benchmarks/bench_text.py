@@ -1,0 +1,177 @@
+"""text_embedding through Triton (perf_analyzer, gRPC) next to the same work in-process, the
+length-batching strategies, and the full-size bert-base encoder."""
+
+from __future__ import annotations
+
+import copy
+import json
+import statistics
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+from triton_pipelines.onnx_runner import OnnxBatchRunner
+from triton_pipelines.text import TextTokenizer, mean_pool_normalize, parse_buckets
+
+from .perf import BENCH_DIR, markdown_table, perf_analyzer
+
+CONCURRENCY = (1, 2, 4, 8, 16, 32)
+THREADS = 2  # the embedded text_encoder's intra_op_threads; the in-process baseline uses the same
+WORDS = ("order refund password shipping delivery account invoice subscription update error "
+         "crash login package tracking charge card cancel support help question").split()
+
+
+def corpus(count: int = 64, seed: int = 0) -> list[str]:
+    """Support-desk-like texts, 3 to 120 words (a long tail, like real traffic)."""
+    rng = np.random.default_rng(seed)
+    lengths = np.clip(rng.lognormal(mean=2.8, sigma=0.8, size=count), 3, 120).astype(int)
+    return [" ".join(rng.choice(WORDS, size=n)) for n in lengths]
+
+
+def in_process(repository: Path, texts: list[str], batch_size: int, seconds: float = 6.0):
+    """Tokenize + ONNX Runtime + pool in one process: (texts/s, p50 ms per batch)."""
+    tokenizer = TextTokenizer(repository / "text_tokenizer" / "1" / "tokenizer.json")
+    runner = OnnxBatchRunner(repository / "text_encoder" / "1" / "model.onnx", intra_op_threads=THREADS,
+                             output_names=["last_hidden_state"])
+    batches = [texts[i:i + batch_size] for i in range(0, len(texts), batch_size)]
+    latencies, done, started = [], 0, time.perf_counter()
+    while time.perf_counter() - started < seconds:
+        for batch in batches:
+            t0 = time.perf_counter()
+            tokens = tokenizer.encode(batch)
+            (out,) = runner.run([{"input_ids": tokens.input_ids, "attention_mask": tokens.attention_mask}])
+            mean_pool_normalize(out["last_hidden_state"], tokens.attention_mask)
+            latencies.append(time.perf_counter() - t0)
+            done += len(batch)
+    return done / (time.perf_counter() - started), statistics.median(latencies) * 1000
+
+
+def text_input_data(texts: list[str]) -> Path:
+    path = BENCH_DIR / "text_inputs.json"
+    BENCH_DIR.mkdir(exist_ok=True)
+    path.write_text(json.dumps({"data": [{"text": {"content": [t], "shape": [1]}} for t in texts]}))
+    return path
+
+
+def token_input_data(repository: Path, texts: list[str], length: int) -> Path:
+    tokenizer = TextTokenizer(repository / "text_tokenizer" / "1" / "tokenizer.json", buckets=(length,),
+                              max_length=length)
+    tokens = tokenizer.encode(texts)
+    path = BENCH_DIR / f"tokens_{length}.json"
+    path.write_text(json.dumps({"data": [
+        {"input_ids": {"content": ids.tolist(), "shape": [length]},
+         "attention_mask": {"content": mask.tolist(), "shape": [length]}}
+        for ids, mask in zip(tokens.input_ids, tokens.attention_mask)]}))
+    return path
+
+
+def load_with_config(server, model: str, config: dict | None) -> None:
+    """Reload a model, optionally with a config override (Triton's model-load API)."""
+    body = {"parameters": {"config": json.dumps(config)}} if config else {}
+    request = urllib.request.Request(f"http://{server.http_url}/v2/repository/models/{model}/load",
+                                     data=json.dumps(body).encode(), method="POST")
+    urllib.request.urlopen(request, timeout=300).read()
+
+
+def model_config(server, model: str) -> dict:
+    return json.loads(urllib.request.urlopen(f"http://{server.http_url}/v2/models/{model}/config").read())
+
+
+def length_strategies(server, data: Path) -> list[list]:
+    """Same traffic at concurrency 16 under three ways to batch mixed lengths."""
+    tokenizer, encoder = model_config(server, "text_tokenizer"), model_config(server, "text_encoder")
+    default_buckets = tokenizer["parameters"]["length_buckets"]["string_value"]
+
+    def with_buckets(value):
+        config = copy.deepcopy(tokenizer)
+        config["parameters"]["length_buckets"]["string_value"] = value
+        return config
+
+    ragged_encoder = copy.deepcopy(encoder)
+    for tensor in ragged_encoder["input"]:
+        tensor["allow_ragged_batch"] = True
+    strategies = [
+        (f"length buckets ({default_buckets}) [default]", None, None),
+        ("pad every request to 256", with_buckets("256"), None),
+        ("ragged batching (exact lengths, padded per batch)", with_buckets("none"), ragged_encoder),
+    ]
+    rows = []
+    try:
+        for label, tokenizer_override, encoder_override in strategies:
+            load_with_config(server, "text_tokenizer", tokenizer_override)
+            load_with_config(server, "text_encoder", encoder_override)
+            load_with_config(server, "text_embedding", None)
+            row = perf_analyzer("text_embedding", server.grpc_url, 16, input_data=data)
+            rows.append([label, row.throughput, row.p50_ms, row.p99_ms])
+    finally:
+        for model in ("text_tokenizer", "text_encoder", "text_embedding"):
+            load_with_config(server, model, None)
+    assert parse_buckets(default_buckets)
+    return rows
+
+
+def run(server) -> str:
+    repository = Path(server.options.model_repository)
+    texts = corpus()
+    data = text_input_data(texts)
+    baseline = {b: in_process(repository, texts, b) for b in (1, 4, 8, 16, 32)}
+    best_batch = max(baseline, key=lambda b: baseline[b][0])
+    best_throughput = baseline[best_batch][0]
+    rows = [perf_analyzer("text_embedding", server.grpc_url, c, input_data=data) for c in CONCURRENCY]
+    peak = max(rows, key=lambda r: r.throughput)
+    ratio = peak.throughput / best_throughput
+    added_p50 = rows[0].p50_ms - baseline[1][1]
+
+    lines = [
+        "## text_embedding (all-MiniLM-L6-v2) — Triton ensemble vs in-process",
+        "",
+        f"Traffic: {len(texts)} support-desk texts of 3–120 words, cycled; perf_analyzer over gRPC. "
+        f"In-process: the same tokenizer, ONNX file and pooling, ONNX Runtime with {THREADS} threads "
+        "(the embedded text_encoder's setting).",
+        "",
+        markdown_table(["concurrency", "texts/s", "p50 ms", "p95 ms", "p99 ms", "server queue ms", "server compute ms"],
+                       [[r.concurrency, r.throughput, r.p50_ms, r.p95_ms, r.p99_ms, r.server_queue_ms,
+                         r.server_compute_ms] for r in rows]),
+        "",
+        markdown_table(["in-process batch size", "texts/s", "p50 ms per batch"],
+                       [[b, t, p] for b, (t, p) in baseline.items()]),
+        "",
+        f"**Ratio at saturation:** Triton {peak.throughput:.1f} texts/s (concurrency {peak.concurrency}) / "
+        f"in-process {best_throughput:.1f} texts/s (batch {best_batch}) = **{ratio:.0%}** (target ≥ 85%).",
+        f"**Added p50 at concurrency 1:** {rows[0].p50_ms:.2f} ms through Triton vs {baseline[1][1]:.2f} ms "
+        f"in-process = **{added_p50:+.2f} ms** (target ≤ 2 ms).",
+        "",
+        "### Batching mixed lengths (concurrency 16, same traffic)",
+        "",
+        markdown_table(["strategy", "texts/s", "p50 ms", "p99 ms"], length_strategies(server, data)),
+    ]
+    if (repository / "bert_base_encoder").exists():
+        lines += ["", bert_base_section(server, repository, texts)]
+    return "\n".join(lines)
+
+
+def bert_base_section(server, repository: Path, texts: list[str], length: int = 128) -> str:
+    data = token_input_data(repository, texts, length)
+    runner = OnnxBatchRunner(repository / "bert_base_encoder" / "1" / "model.onnx", intra_op_threads=THREADS)
+    tokens = TextTokenizer(repository / "text_tokenizer" / "1" / "tokenizer.json", buckets=(length,),
+                           max_length=length).encode(texts[:8])
+    in_process_rows = []
+    for batch in (1, 8):
+        feed = {"input_ids": tokens.input_ids[:batch], "attention_mask": tokens.attention_mask[:batch]}
+        runner.run([feed])
+        started, n = time.perf_counter(), 0
+        while time.perf_counter() - started < 6:
+            runner.run([feed])
+            n += batch
+        in_process_rows.append([batch, n / (time.perf_counter() - started)])
+    rows = [perf_analyzer("bert_base_encoder", server.grpc_url, c, input_data=data) for c in (1, 4, 8)]
+    return "\n".join([
+        f"## bert_base_encoder (bert-base-uncased architecture, 110M parameters, random weights) at {length} tokens",
+        "",
+        markdown_table(["concurrency", "sequences/s", "p50 ms", "p99 ms"],
+                       [[r.concurrency, r.throughput, r.p50_ms, r.p99_ms] for r in rows]),
+        "",
+        markdown_table(["in-process batch size", "sequences/s"], in_process_rows),
+    ])
