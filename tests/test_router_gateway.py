@@ -30,7 +30,7 @@ except ImportError:  # tests/ not a package
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "sk-router-test-" + os.urandom(12).hex()
 GATEWAY = {"timeout_s": 1.0, "max_retries": 2, "backoff_s": 0.05, "max_backoff_s": 0.2,
-           "circuit_failure_threshold": 3, "circuit_reset_s": 2.0}
+           "circuit_failure_threshold": 5, "circuit_reset_s": 2.0}
 
 
 @pytest.fixture(scope="module")

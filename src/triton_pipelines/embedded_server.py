@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import threading
 import time
@@ -99,7 +100,13 @@ def server_environment() -> dict[str, str]:
     venv_bin = str(Path(sys.executable).parent)
     env["PATH"] = venv_bin + os.pathsep + env.get("PATH", "")
     libs = pytriton_dir().parent.parent / "nvidia_pytriton.libs"
-    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(libs), env.get("LD_LIBRARY_PATH", "")) if p)
+    # The stub links libpython3.X.so.1.0: it must be THIS interpreter's (a system libpython of another
+    # patch release breaks extension modules of our stdlib, e.g. `import ssl` fails with an undefined
+    # symbol, so the openai/httpx clients cannot load).
+    python_libdir = sysconfig.get_config_var("LIBDIR") or ""
+    own_libpython = python_libdir and (Path(python_libdir) / sysconfig.get_config_var("INSTSONAME")).exists()
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(
+        p for p in (python_libdir if own_libpython else "", str(libs), env.get("LD_LIBRARY_PATH", "")) if p)
     return env
 
 
