@@ -1,0 +1,73 @@
+"""The repository builder: weights from a local checkpoint, content-hash rebuilds, both targets."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+
+from repo_builder.__main__ import main as build
+from repo_builder.files import read_config
+from repo_builder.text_part import minilm_dir
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    """A local Hugging Face BERT checkpoint (random, hidden 64) with MiniLM's tokenizer."""
+    import torch
+    from transformers import BertConfig, BertModel
+
+    folder = tmp_path_factory.mktemp("tiny-bert")
+    torch.manual_seed(0)
+    BertModel(BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                         intermediate_size=128)).save_pretrained(folder)
+    shutil.copy2(minilm_dir() / "tokenizer.json", folder / "tokenizer.json")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def built(tiny_checkpoint, tmp_path_factory):
+    output = tmp_path_factory.mktemp("repo")
+    build(["--parts", "text", "--output", str(output), "--text-encoder-checkpoint", str(tiny_checkpoint)])
+    return output
+
+
+def test_local_checkpoint_sets_the_encoder_and_the_embedding_width(built, tiny_checkpoint):
+    import onnxruntime as ort
+    import torch
+    from transformers import BertModel
+
+    assert list(read_config(built / "text_encoder" / "config.pbtxt").output[0].dims) == [-1, 64]
+    assert list(read_config(built / "embedding_pooler" / "config.pbtxt").output[0].dims) == [64]
+    assert list(read_config(built / "text_embedding" / "config.pbtxt").output[0].dims) == [64]
+    assert list(read_config(built / "intent_classifier" / "config.pbtxt").input[0].dims) == [64]
+    ids = np.array([[101, 7592, 2088, 102]], dtype=np.int64)
+    session = ort.InferenceSession(str(built / "text_encoder" / "1" / "model.onnx"))
+    (hidden,) = session.run(None, {"input_ids": ids, "attention_mask": np.ones_like(ids)})
+    with torch.no_grad():
+        expected = BertModel.from_pretrained(str(tiny_checkpoint), add_pooling_layer=False)(
+            input_ids=torch.from_numpy(ids)).last_hidden_state.numpy()
+    np.testing.assert_allclose(hidden, expected, atol=1e-4)
+    prototypes = np.load(built / "intent_classifier" / "1" / "intent_prototypes.npz")
+    assert prototypes["vectors"].shape[1] == 64
+
+
+def test_rebuild_with_nothing_changed_exports_nothing(built, tiny_checkpoint, capsys):
+    onnx = built / "text_encoder" / "1" / "model.onnx"
+    before = onnx.stat().st_mtime_ns
+    build(["--parts", "text", "--output", str(built), "--text-encoder-checkpoint", str(tiny_checkpoint)])
+    assert onnx.stat().st_mtime_ns == before
+    assert "text_encoder: up to date" in capsys.readouterr().out
+
+
+def test_gpu_target_rewrites_only_configs(built, tiny_checkpoint):
+    onnx = built / "text_encoder" / "1" / "model.onnx"
+    before = onnx.stat().st_mtime_ns
+    build(["--target", "gpu", "--parts", "text", "--output", str(built),
+           "--text-encoder-checkpoint", str(tiny_checkpoint)])
+    config = read_config(built / "text_encoder" / "config.pbtxt")
+    assert config.platform == "onnxruntime_onnx" and not config.backend
+    assert not (built / "text_encoder" / "1" / "model.py").exists()
+    assert onnx.stat().st_mtime_ns == before
+    assert read_config(built / "text_tokenizer" / "config.pbtxt").backend == "python"
