@@ -384,8 +384,12 @@ class WhisperOnnx:
     def decode_windows(self, features: np.ndarray, prompts: np.ndarray, eot: int,
                        max_new_tokens: int | np.ndarray) -> list[list[int]]:
         """``features [N, n_mels, 3000]`` and ``prompts [N, 4]`` → generated ids per window."""
+        return self.decode_encoded(self.encode(features), prompts, eot, max_new_tokens)
+
+    def decode_encoded(self, cross: dict[str, np.ndarray], prompts: np.ndarray, eot: int,
+                       max_new_tokens: int | np.ndarray) -> list[list[int]]:
+        """Greedy decoding from the encoder's cross K/V (``encode``)."""
         shape = self.shape
-        cross = self.encode(features)
         state = GreedyBatch(prompts, eot, max_new_tokens, suppress_mask(shape.vocab_size, eot))
         past = np.zeros((len(prompts), 2 * shape.layers, shape.heads, 0, shape.head_dim), dtype=np.float32)
         while not state.done:
