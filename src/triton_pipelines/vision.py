@@ -200,14 +200,10 @@ def preprocess_image(data: bytes, config: PreprocessConfig = PreprocessConfig(),
     return pixels
 
 
-def _as_bytes(item) -> bytes:
-    if isinstance(item, (bytes, bytearray, memoryview)):
+def _as_bytes(item, name: str) -> bytes:
+    if isinstance(item, (bytes, bytearray, memoryview, np.bytes_)):
         return bytes(item)
-    if isinstance(item, np.bytes_):
-        return bytes(item)
-    if isinstance(item, str):
-        return item.encode("latin-1", errors="strict") if item.isascii() else item.encode()
-    raise InputError(f"expected bytes, got {type(item).__name__}")
+    raise InputError(f"input '{name}' must be encoded image bytes, got {type(item).__name__}")
 
 
 @dataclass
@@ -233,7 +229,7 @@ class ImagePreprocessor:
     def _one(self, data, name: str) -> tuple[np.ndarray | InputError, float, float]:
         timing = DecodeTiming()
         try:
-            pixels = preprocess_image(_as_bytes(data), self.config, name, timing)
+            pixels = preprocess_image(_as_bytes(data, name), self.config, name, timing)
         except InputError as error:
             return error, timing.decode_s, timing.transform_s
         return pixels, timing.decode_s, timing.transform_s
@@ -254,16 +250,14 @@ class ImagePreprocessor:
             per_request[index][position] = value
             result.timing.decode_s += decode_s
             result.timing.transform_s += transform_s
-        crop = self.config.crop_size
-        for index, values in enumerate(per_request):
+        for values in per_request:
+            error = next((v for v in values if isinstance(v, InputError)), None)
             if not values:
                 result.outputs.append(InputError(f"input '{input_name}' is an empty batch: send at least one image"))
-                continue
-            error = next((v for v in values if isinstance(v, InputError)), None)
-            if error is not None:
+            elif error is not None:
                 result.outputs.append(error)
             else:
-                result.outputs.append(np.stack(values) if values else np.zeros((0, 3, crop, crop), np.float32))
+                result.outputs.append(np.stack(values))
         return result
 
     def close(self) -> None:
