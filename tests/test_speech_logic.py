@@ -238,3 +238,34 @@ def test_plan_request_validates_and_expands_per_window(tokenizer):
 
 def test_group_windows():
     assert group_windows([[1], [2], [3]], [2, 1]) == [[[1], [2]], [[3]]]
+
+
+# --- builder: both targets from one description (large-v3 is described, never exported here) -----
+
+
+def test_gpu_target_defaults_to_large_v3_configs_without_exporting():
+    import argparse
+
+    from tritonclient.grpc import model_config_pb2 as mc
+
+    from repo_builder.part import BuildContext
+    from repo_builder.speech_part import SpeechPart
+
+    part = SpeechPart()
+    args = argparse.Namespace(whisper_size=None, whisper_checkpoint=None)
+    gpu = BuildContext(target="gpu", output=Path("/nonexistent"), args=args)
+    encoder, decoder = part.compute_models(gpu)
+    encoder_config, decoder_config = encoder.config("gpu"), decoder.config("gpu")
+    assert encoder_config.platform == decoder_config.platform == "onnxruntime_onnx"
+    assert decoder_config.instance_group[0].kind == mc.ModelInstanceGroup.KIND_GPU
+    assert list(encoder_config.input[0].dims) == [128, 3000]
+    assert len(encoder_config.output) == 64 and list(encoder_config.output[0].dims) == [20, 64, 1500]
+    assert [t.name for t in decoder_config.input][:2] == ["input_ids", "past_self_kv"]
+    assert list(decoder_config.input[1].dims) == [64, 20, -1, 64] and len(decoder_config.input) == 66
+    assert list(decoder_config.output[0].dims) == [51866]
+    embedded = BuildContext(target="embedded", output=Path("/nonexistent"), args=args)
+    tiny_encoder, tiny_decoder = part.compute_models(embedded)
+    assert tiny_encoder.config("embedded").backend == "python"
+    # one description: same tensors on both targets
+    assert tiny_decoder.config("embedded").input == tiny_decoder.config("gpu").input
+    assert part.model_table(gpu)[0]["architecture"].startswith("Whisper large-v3")

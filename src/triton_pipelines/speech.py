@@ -6,7 +6,7 @@ Everything here is plain numpy (plus soundfile, soxr, tiktoken, onnxruntime for 
 reference); the Triton models ``audio_features`` and ``whisper_decode`` are thin adapters over it.
 
 Greedy decoding (``GreedyBatch``) is the same state machine in Triton (one BLS call to
-``whisper_decoder`` per step) and in process (``WhisperOnnx.transcribe``): every window starts from
+``whisper_decoder`` per step) and in process (``WhisperOnnx.decode_windows``): every window starts from
 the prompt ``<|startoftranscript|><|lang|><|task|><|notimestamps|>``; each step feeds the new
 tokens and the self-attention cache, takes the argmax over the text tokens plus
 ``<|endoftext|>`` (other special tokens are suppressed), and a window leaves the batch at
@@ -19,7 +19,7 @@ import base64
 import io
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import Sequence
 
 import numpy as np
 
