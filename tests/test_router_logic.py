@@ -249,3 +249,12 @@ def test_vision_payload_becomes_an_image_message(router):
     routed = routed_for(router, {"text": "what is this?", "image": image, "tier": "best"}, task="vision_llm")
     assert routed.target == "claude-sonnet-4.5"
     assert routed.messages[0]["content"][1]["image_url"]["url"] == f"data:image/png;base64,{image}"
+
+
+def test_batch_class_falls_back_to_realtime_only_when_asked_for_batch(router):
+    routed = router.prepare(b"speech_recognition", json.dumps({"audio": base64.b64encode(b"RIFF").decode()}), b"batch")
+    fallback = Router.without_batch_variant(routed)
+    assert (routed.target, fallback.target, fallback.latency_class) == (
+        "speech_recognition_batch", "speech_recognition", "realtime")
+    assert "speech_recognition_batch is not loaded" in fallback.note
+    assert Router.without_batch_variant(fallback) is None

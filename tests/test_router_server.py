@@ -240,3 +240,15 @@ def test_speech_recognition_through_the_router_matches_its_ensemble(client, late
     assert result["served_by"] == target and result["route"] == "triton"
     assert_same_outputs(result["output"], client.infer(target, {"audio": text_tensor([audio])},
                                                        outputs=["transcript"]))
+
+
+def test_task_whose_ensemble_is_not_loaded_gets_a_clear_error(client):
+    missing = [(task, field) for task, field in (("image_classification", "image"), ("speech_recognition", "audio"))
+               if not client.is_model_ready(task)]
+    if not missing:
+        pytest.skip("image_classification and speech_recognition are both loaded")
+    for task, field in missing:
+        with pytest.raises(InferenceServerException) as error:
+            route(client, task, {field: base64.b64encode(b"data").decode()}, "batch")
+        assert f"model {task} is not loaded on this server" in str(error.value)
+        assert "503" in str(error.value) or "UNAVAILABLE" in str(error.value)

@@ -21,7 +21,7 @@ from triton_pipelines.routing import RouteError, Router, RouteTable, SplitFile, 
 
 # Error codes: bad input → INVALID_ARG (HTTP 400); the gateway missing or down → UNAVAILABLE;
 # anything else → INTERNAL.
-UNAVAILABLE_REASONS = ("not_configured", "circuit_open", "timeout", "unreachable", "upstream_status")
+UNAVAILABLE_REASONS = ("not_loaded", "not_configured", "circuit_open", "timeout", "unreachable", "upstream_status")
 LATENCY_BUCKETS_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
 
 
@@ -129,7 +129,15 @@ class TritonPythonModel:
         completion = None
         try:
             if routed.route == "triton":
-                result = self.router.triton_result(routed, await self.call_triton(routed))
+                try:
+                    outputs = await self.call_triton(routed)
+                except RouteError as error:
+                    fallback = self.router.without_batch_variant(routed)
+                    if error.reason != "not_loaded" or fallback is None:
+                        raise
+                    routed = fallback
+                    outputs = await self.call_triton(routed)
+                result = self.router.triton_result(routed, outputs)
             else:
                 loop = asyncio.get_running_loop()
                 completion = await loop.run_in_executor(self.pool, self.gateway.complete, routed)
@@ -153,7 +161,11 @@ class TritonPythonModel:
         except pb_utils.TritonModelException as error:
             raise RouteError("upstream_error", f"model {routed.target}: {error}") from None
         if response.has_error():
-            raise RouteError("upstream_error", f"model {routed.target}: {response.error().message()}")
+            message = response.error().message()
+            if f"Model '{routed.target}' is not ready" in message or "unknown model" in message:
+                raise RouteError("not_loaded", f"model {routed.target} is not loaded on this server "
+                                               f"(is its pipeline in the repository?)")
+            raise RouteError("upstream_error", f"model {routed.target}: {message}")
         outputs = {}
         for name in routed.outputs:
             tensor = pb_utils.get_output_tensor_by_name(response, name)

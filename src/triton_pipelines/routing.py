@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import hashlib
 import json
 import random
@@ -253,6 +254,8 @@ class RoutedRequest:
     temperature: float | None = None
     max_tokens: int = 0
     tier: str | None = None
+    realtime_target: str = ""  # triton: where a batch-class request goes when there is no _batch variant
+    note: str = ""
 
 
 def decode_string(raw: Any, name: str) -> str:
@@ -363,14 +366,23 @@ class Router:
                 raise InputError(f"payload field '{name}' must be a string, not {type(value).__name__}")
             data = value.encode() if encoding == "text" else _decode_base64(value, name)
             inputs[name] = np.array([[data]], dtype=np.object_)
-        target = route.model + ("_batch" if latency_class == "batch" else "")
-        version = None
+        version, suffix = None, ""
         if route.canary:
             version = choose_version(self.split_file.split(route.canary), split_point(route.task, key))
-            if version != STABLE_VERSION:
-                target += f"_v{version}"
+            suffix = f"_v{version}" if version != STABLE_VERSION else ""
+        target = route.model + ("_batch" if latency_class == "batch" else "") + suffix
         return RoutedRequest(route.task, "triton", latency_class, target, route.model,
-                             model_version=version, canary=route.canary, inputs=inputs, outputs=route.outputs)
+                             model_version=version, canary=route.canary, inputs=inputs, outputs=route.outputs,
+                             realtime_target=route.model + suffix)
+
+    @staticmethod
+    def without_batch_variant(routed: RoutedRequest) -> RoutedRequest | None:
+        """The same request for the realtime model, when the ``_batch`` variant is not loaded (an
+        ensemble with no compute step of its own has none); None if it already is realtime."""
+        if routed.target == routed.realtime_target:
+            return None
+        return dataclasses.replace(routed, target=routed.realtime_target, latency_class="realtime",
+                                   note=f"{routed.target} is not loaded: served by the realtime model")
 
     def _prepare_gateway(self, route: TaskRoute, payload: dict, latency_class: str) -> RoutedRequest:
         messages = gateway_messages(payload)
@@ -395,6 +407,8 @@ class Router:
         }
         if routed.canary:
             result["canary"] = {"model": routed.canary, "version": routed.model_version}
+        if routed.note:
+            result["note"] = routed.note
         return result
 
     def gateway_result(self, routed: RoutedRequest, text: str, input_tokens: int, output_tokens: int) -> dict:
