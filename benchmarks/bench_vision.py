@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import os
 import statistics
 import struct
 import time
@@ -162,9 +163,9 @@ def run(server) -> str:
     images_json = image_input_data(payloads)
     pixels_json = pixel_input_data(payloads[:4])
 
+    load_before = os.getloadavg()[0]
     baseline = {b: in_process(repository, payloads, b) for b in (1, 8, 16)}
     best_batch = max(baseline, key=lambda b: baseline[b][0])
-    best_throughput = baseline[best_batch][0]
     compute_baseline = {b: compute_only(repository, payloads, b) for b in (1, 8)}
 
     client = TritonClient("http", server.http_url)
@@ -176,6 +177,11 @@ def run(server) -> str:
     metrics_after = preprocess_metrics(server)
     resnet_rows = [measure("resnet50", server.grpc_url, c, pixels_json) for c in RESNET_CONCURRENCY]
     client.close()
+    # The best in-process batch again after the Triton runs: the ratio uses the better of the two,
+    # so load from other work during one of them does not flatter Triton.
+    repeat = in_process(repository, payloads, best_batch)
+    best_throughput = max(baseline[best_batch][0], repeat[0])
+    load_after = os.getloadavg()[0]
 
     peak = max(rows, key=lambda r: r.throughput)
     ratio = peak.throughput / best_throughput
@@ -197,8 +203,13 @@ def run(server) -> str:
         markdown_table(["in-process batch size", "images/s", "p50 ms per batch", "decode+preprocess share"],
                        [[b, t, p, f"{s:.0%}"] for b, (t, p, s) in baseline.items()]),
         "",
+        f"In-process batch {best_batch} measured again after the Triton runs: {repeat[0]:.2f} images/s.",
+        "",
         f"**Ratio at saturation:** Triton {peak.throughput:.1f} images/s (concurrency {peak.concurrency}) / "
-        f"in-process {best_throughput:.1f} images/s (batch {best_batch}) = **{ratio:.0%}** (target ≥ 85%).",
+        f"in-process {best_throughput:.1f} images/s (batch {best_batch}, the better of two runs) = "
+        f"**{ratio:.0%}** (target ≥ 85%). 1-minute load average {load_before:.1f} before, {load_after:.1f} "
+        f"after, on {os.cpu_count()} cores: above the core count, other work shared the CPUs and the "
+        "numbers are noisy.",
         "",
         "### Where the time goes (Triton per-model statistics over the runs above)",
         "",
