@@ -110,16 +110,6 @@ def compute_only(repository: Path, payloads: list[bytes], batch_size: int, secon
     return done / (time.perf_counter() - started)
 
 
-def measure(model: str, url: str, concurrency: int, data: Path):
-    """perf_analyzer; on a machine shared with other work the 25% stability rule can fail, so retry
-    once with longer windows and a looser rule (reported numbers are then noisier)."""
-    try:
-        return perf_analyzer(model, url, concurrency, input_data=data)
-    except RuntimeError:
-        return perf_analyzer(model, url, concurrency, input_data=data, measurement_ms=8000,
-                             extra=["--stability-percentage", "60"])
-
-
 def model_totals(client: TritonClient, model: str) -> dict:
     """Cumulative inferences, executions and execution time (all batch sizes) of one model."""
     stats = client.statistics(model)["model_stats"][0]
@@ -172,10 +162,10 @@ def run(server) -> str:
     models = ("image_preprocess", "resnet50", "classification_postprocess")
     before = {m: model_totals(client, m) for m in models}
     metrics_before = preprocess_metrics(server)
-    rows = [measure("image_classification", server.grpc_url, c, images_json) for c in CONCURRENCY]
+    rows = [perf_analyzer("image_classification", server.grpc_url, c, input_data=images_json) for c in CONCURRENCY]
     after = {m: model_totals(client, m) for m in models}
     metrics_after = preprocess_metrics(server)
-    resnet_rows = [measure("resnet50", server.grpc_url, c, pixels_json) for c in RESNET_CONCURRENCY]
+    resnet_rows = [perf_analyzer("resnet50", server.grpc_url, c, input_data=pixels_json) for c in RESNET_CONCURRENCY]
     client.close()
     # The best in-process batch again after the Triton runs: the ratio uses the better of the two,
     # so load from other work during one of them does not flatter Triton.
