@@ -85,12 +85,13 @@ def in_process(repository: Path, wav: bytes, batch_size: int, seconds: float = 8
 
 
 def model_times(client: TritonClient) -> dict[str, tuple[int, float]]:
-    """model → (executions, cumulative compute_infer seconds)."""
+    """model → (inferences, cumulative compute_infer seconds per execution). ``batch_stats`` counts
+    each execution once; ``inference_stats`` would charge a batched execution to every request."""
     times = {}
     for model in SPEECH_MODELS:
         stats = client.statistics(model)["model_stats"][0]
-        infer = stats["inference_stats"]["compute_infer"]
-        times[model] = (int(stats["inference_count"]), int(infer["ns"]) / 1e9)
+        seconds = sum(int(b["compute_infer"]["ns"]) for b in stats.get("batch_stats", [])) / 1e9
+        times[model] = (int(stats["inference_count"]), seconds)
     return times
 
 
