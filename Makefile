@@ -27,7 +27,7 @@ repository: install
 
 # Real Triton on 8000 (HTTP) / 8001 (gRPC) / 8002 (metrics), in the foreground like `docker compose up`.
 serve: repository
-	$(PY) -m triton_pipelines.embedded_server --model-repository model_repository
+	$(PY) -m triton_pipelines.launcher --model-repository model_repository
 
 test: repository
 	$(PY) -m pytest -ra

@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from triton_pipelines.embedded_server import start_on_free_ports
+from triton_pipelines.launcher import start_on_free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
 REPORT = ROOT / "docs" / "benchmarks.md"

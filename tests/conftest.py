@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from triton_pipelines.client import TritonClient
-from triton_pipelines.embedded_server import start_on_free_ports
+from triton_pipelines.launcher import start_on_free_ports
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 MODEL_REPOSITORY = Path(os.environ.get("TEST_MODEL_REPOSITORY", PROJECT_ROOT / "model_repository")).resolve()

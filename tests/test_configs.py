@@ -14,7 +14,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from repo_builder.__main__ import parse_context
 from repo_builder.compute import TARGETS
-from triton_pipelines.embedded_server import ServerOptions, pytriton_dir, server_command, server_environment
+from triton_pipelines.launcher import ServerOptions, pytriton_dir, server_command, server_environment
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE_CONFIGS = sorted((ROOT / "python_models").glob("*/config.pbtxt")) + sorted(
@@ -96,21 +96,39 @@ def test_compose_serves_the_ngc_2_51_image_on_the_native_ports():
     assert triton["volumes"][0].startswith("./model_repository:/models")
 
 
-def test_compose_flags_exist_in_tritonserver_2_51():
+def compose_launcher_options():
+    """The launcher invocation of the compose file, parsed by the launcher's own CLI."""
+    from triton_pipelines import launcher
+
+    command = compose()["services"]["triton"]["command"]
+    assert command[:3] == ["python3", "-m", "triton_pipelines.launcher"]
+    captured = {}
+
+    def record(options):
+        captured["options"] = options
+        raise SystemExit(0)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(launcher, "TritonProcess", record)
+        patch.setattr(launcher.Path, "exists", lambda self: True)  # /models/.built is in the container
+        with pytest.raises(SystemExit):
+            launcher.main(command[3:])
+    return captured["options"]
+
+
+def test_compose_runs_the_launcher_on_the_containers_server_with_valid_flags():
+    options = compose_launcher_options()
+    assert options.tritonserver == Path("/opt/tritonserver/bin/tritonserver")
+    assert options.backend_dir == Path("/opt/tritonserver/backends")
+    assert (options.http_port, options.grpc_port, options.metrics_port) == (8000, 8001, 8002)
     help_text = subprocess.run([str(pytriton_dir() / "bin" / "tritonserver"), "--help"],
                                env=server_environment(), capture_output=True, text=True)
-    help_text = help_text.stdout + help_text.stderr
-    known = set(re.findall(r"^\s+(--[a-z0-9-]+)", help_text, re.M))
+    known = set(re.findall(r"^\s+(--[a-z0-9-]+)", help_text.stdout + help_text.stderr, re.M))
     assert "--model-control-mode" in known
-    flags = [arg.split("=")[0] for arg in compose()["services"]["triton"]["command"][1:]]
-    assert set(flags) <= known, set(flags) - known
+    flags = {arg.split("=")[0] for arg in server_command(options)[1:]}
+    assert flags <= known, flags - known
 
 
-def test_compose_and_embedded_launcher_use_the_same_server_flags():
-    """Only paths and ports may differ between the container and the embedded runtime."""
-    varying = ("--model-repository", "--backend-directory", "--http-port", "--grpc-port",
-               "--metrics-port", "--log-verbose")
-    embedded = server_command(ServerOptions(model_repository=Path("m"), backend_dir=Path("b")))[1:]
-    container = compose()["services"]["triton"]["command"][1:]
-    strip = lambda args: sorted(a for a in args if not a.startswith(varying))  # noqa: E731
-    assert strip(embedded) == strip(container)
+def test_compose_gives_the_drain_time_before_sigkill():
+    seconds = int(compose()["services"]["triton"]["stop_grace_period"].rstrip("s"))
+    assert seconds > ServerOptions(model_repository=Path("m")).exit_timeout_secs + 30

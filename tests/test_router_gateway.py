@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from triton_pipelines.client import InferenceServerException, TritonClient
-from triton_pipelines.embedded_server import start_on_free_ports
+from triton_pipelines.launcher import start_on_free_ports
 
 try:
     from tests.fake_gateway import FakeGateway, Reply

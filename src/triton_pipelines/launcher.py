@@ -1,10 +1,15 @@
-"""Start the real ``tritonserver`` 2.51 binary shipped in ``nvidia-pytriton`` on a model repository.
+"""Run ``tritonserver`` 2.51 on a model repository, in the foreground, with our flags.
 
-This is the embedded runtime: no Docker, no GPU. It lays out a backend directory with the Python
-backend and the stub built for this interpreter, then runs the server in the foreground with the
-same flags the container uses (explicit model control, every model loaded at start).
+Embedded (default; no Docker, no GPU): the binary shipped in ``nvidia-pytriton``, with a backend
+directory laid out from the wheel's Python backend and the stub built for this interpreter.
 
-    python -m triton_pipelines.embedded_server --model-repository model_repository
+    python -m triton_pipelines.launcher --model-repository model_repository
+
+Container: the NGC image's own server and backends (docker-compose.yml runs exactly this), so both
+ways run with the same flags (explicit model control, every model loaded at start) and the same drain.
+
+    python3 -m triton_pipelines.launcher --tritonserver /opt/tritonserver/bin/tritonserver \
+        --backend-dir /opt/tritonserver/backends --model-repository /models
 
 Ctrl-C / SIGTERM drain the server first (models are unloaded top-down, so requests in flight,
 ensembles included, finish: see ``drain.py``), then SIGTERM stops it (``--exit-timeout-secs``).
@@ -70,6 +75,9 @@ class ServerOptions:
     metrics_port: int = DEFAULT_METRICS_PORT
     # None: a private temporary folder, removed on stop (lets several servers run side by side).
     backend_dir: Path | None = None
+    # None: the embedded binary from nvidia-pytriton; else this server (the container's), with
+    # backend_dir naming its backends.
+    tritonserver: Path | None = None
     exit_timeout_secs: int = 30
     log_verbose: int = 0
     # Models loaded at start; None loads every model in the repository (--load-model=*).
@@ -79,7 +87,7 @@ class ServerOptions:
 
 def server_command(options: ServerOptions) -> list[str]:
     command = [
-        str(pytriton_dir() / "bin" / "tritonserver"),
+        str(options.tritonserver or pytriton_dir() / "bin" / "tritonserver"),
         f"--model-repository={options.model_repository.resolve()}",
         f"--backend-directory={options.backend_dir.resolve()}",
         "--model-control-mode=explicit",
@@ -110,17 +118,21 @@ def server_environment() -> dict[str, str]:
     return env
 
 
-class EmbeddedServer:
+class TritonProcess:
     """A running ``tritonserver`` process; use as a context manager or call ``stop()``."""
 
     def __init__(self, options: ServerOptions, stdout=None, stderr=None):
         self.options = options
+        embedded = options.tritonserver is None
+        if not embedded and options.backend_dir is None:
+            raise ValueError("--tritonserver needs --backend-dir (the server's own backends)")
         self._temporary_backend_dir = options.backend_dir is None
         if options.backend_dir is None:
             options.backend_dir = Path(tempfile.mkdtemp(prefix="triton-backends-"))
-        prepare_backend_dir(options.backend_dir)
+        if embedded:
+            prepare_backend_dir(options.backend_dir)
         self.process = subprocess.Popen(
-            server_command(options), env=server_environment(), stdout=stdout, stderr=stderr
+            server_command(options), env=server_environment() if embedded else None, stdout=stdout, stderr=stderr
         )
 
     @property
@@ -168,7 +180,7 @@ class EmbeddedServer:
             shutil.rmtree(self.options.backend_dir, ignore_errors=True)
         return self.process.returncode
 
-    def __enter__(self) -> "EmbeddedServer":
+    def __enter__(self) -> "TritonProcess":
         return self
 
     def __exit__(self, *exc) -> None:
@@ -189,14 +201,14 @@ def free_ports(count: int) -> list[int]:
 
 
 def start_on_free_ports(model_repository: Path, log_path: Path, extra_args: list[str] | None = None,
-                        timeout_s: float = 600, models: list[str] | None = None) -> EmbeddedServer:
+                        timeout_s: float = 600, models: list[str] | None = None) -> TritonProcess:
     """A ready server on free ports, logging to ``log_path`` (tests and benchmarks use this)."""
     http, grpc, metrics = free_ports(3)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log = open(log_path, "wb")
     options = ServerOptions(model_repository=model_repository, http_port=http, grpc_port=grpc,
                             metrics_port=metrics, models=models, extra_args=extra_args or [])
-    server = EmbeddedServer(options, stdout=log, stderr=log)
+    server = TritonProcess(options, stdout=log, stderr=log)
     try:
         server.wait_ready(timeout_s=timeout_s)
     except Exception:
@@ -218,7 +230,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--http-port", type=int, help=f"default $TRITON_HTTP_PORT or {DEFAULT_HTTP_PORT}")
     parser.add_argument("--grpc-port", type=int, help=f"default $TRITON_GRPC_PORT or {DEFAULT_GRPC_PORT}")
     parser.add_argument("--metrics-port", type=int, help=f"default $TRITON_METRICS_PORT or {DEFAULT_METRICS_PORT}")
-    parser.add_argument("--backend-dir", type=Path, help="default: a temporary folder")
+    parser.add_argument("--tritonserver", type=Path, metavar="PATH",
+                        help="run this tritonserver (e.g. the container's) instead of the embedded one")
+    parser.add_argument("--backend-dir", type=Path,
+                        help="the server's backends; default (embedded): a temporary folder laid out from the wheel")
     parser.add_argument("--exit-timeout-secs", type=int, default=30)
     parser.add_argument("--log-verbose", type=int, default=0)
     parser.add_argument("--load-model", action="append", dest="models", metavar="NAME",
@@ -233,12 +248,13 @@ def main(argv: list[str] | None = None) -> int:
         grpc_port=_port(args.grpc_port, "TRITON_GRPC_PORT", DEFAULT_GRPC_PORT),
         metrics_port=_port(args.metrics_port, "TRITON_METRICS_PORT", DEFAULT_METRICS_PORT),
         backend_dir=args.backend_dir,
+        tritonserver=args.tritonserver,
         exit_timeout_secs=args.exit_timeout_secs,
         log_verbose=args.log_verbose,
         models=args.models,
         extra_args=args.extra_args,
     )
-    server = EmbeddedServer(options)
+    server = TritonProcess(options)
     stopping = threading.Event()
 
     def on_signal(*_):

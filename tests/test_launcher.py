@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from triton_pipelines import embedded_server
+from triton_pipelines import launcher
 from triton_pipelines.client import TritonClient, text_tensor
-from triton_pipelines.embedded_server import ServerOptions, server_command, start_on_free_ports
+from triton_pipelines.launcher import ServerOptions, server_command, start_on_free_ports
 
 from .conftest import LOG_DIR, ensure_repository
 
@@ -21,10 +21,10 @@ TEXT_EMBEDDING_MODELS = ["text_tokenizer", "text_encoder", "embedding_pooler", "
 
 def test_ports_come_from_flags_then_environment_then_defaults(monkeypatch):
     monkeypatch.setenv("TRITON_HTTP_PORT", "9100")
-    assert embedded_server._port(None, "TRITON_HTTP_PORT", 8000) == 9100
-    assert embedded_server._port(9200, "TRITON_HTTP_PORT", 8000) == 9200
+    assert launcher._port(None, "TRITON_HTTP_PORT", 8000) == 9100
+    assert launcher._port(9200, "TRITON_HTTP_PORT", 8000) == 9200
     monkeypatch.delenv("TRITON_HTTP_PORT")
-    assert embedded_server._port(None, "TRITON_HTTP_PORT", 8000) == 8000
+    assert launcher._port(None, "TRITON_HTTP_PORT", 8000) == 8000
 
 
 def test_server_command_loads_every_model_in_explicit_mode():
@@ -91,13 +91,13 @@ def test_cli_serves_on_environment_ports_and_stops_cleanly_on_ctrl_c():
     import sys
     import urllib.request
 
-    from triton_pipelines.embedded_server import free_ports
+    from triton_pipelines.launcher import free_ports
 
     http, grpc, metrics = free_ports(3)
     env = dict(os.environ, TRITON_HTTP_PORT=str(http), TRITON_GRPC_PORT=str(grpc), TRITON_METRICS_PORT=str(metrics))
     log = open(LOG_DIR / "cli-server.log", "wb")
     process = subprocess.Popen(
-        [sys.executable, "-m", "triton_pipelines.embedded_server", "--model-repository", str(ensure_repository()),
+        [sys.executable, "-m", "triton_pipelines.launcher", "--model-repository", str(ensure_repository()),
          "--load-model", "text_tokenizer"], env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 120
