@@ -39,8 +39,7 @@ def triton_server():
 @pytest.fixture(scope="session", params=["http", "grpc"])
 def client(request, triton_server) -> TritonClient:
     """Parametrizes a test over both protocols."""
-    url = triton_server.http_url if request.param == "http" else triton_server.grpc_url
-    c = TritonClient(request.param, url)
+    c = TritonClient(request.param, triton_server.url(request.param))
     yield c
     c.close()
 

@@ -67,8 +67,7 @@ def gateway_server(triton_server, fake, tmp_path_factory):
 
 @pytest.fixture(scope="module", params=["http", "grpc"])
 def gw(request, gateway_server) -> TritonClient:
-    url = gateway_server.http_url if request.param == "http" else gateway_server.grpc_url
-    c = TritonClient(request.param, url)
+    c = TritonClient(request.param, gateway_server.url(request.param))
     yield c
     c.close()
 

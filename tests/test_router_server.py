@@ -158,7 +158,7 @@ def test_canary_split_lands_on_its_share_and_moves_at_run_time(triton_server, ht
     ({"text": "x" * (8 << 20)}, None, "the limit is 8388608 bytes"),
 ])
 def test_bad_input_gets_a_400_and_others_are_unaffected(triton_server, client, payload, latency_class, fragment):
-    other = TritonClient(client.protocol, triton_server.http_url if client.protocol == "http" else triton_server.grpc_url)
+    other = TritonClient(client.protocol, triton_server.url(client.protocol))
     with ThreadPoolExecutor(2) as pool:
         good = pool.submit(route, other, "text_classification", {"text": "refund please"})
         with pytest.raises(InferenceServerException) as error:

@@ -82,10 +82,6 @@ def reference(triton_server) -> Reference:
     return Reference(repository)
 
 
-def url_for(triton_server, protocol: str) -> str:
-    return triton_server.http_url if protocol == "http" else triton_server.grpc_url
-
-
 def classify(client: TritonClient, images, **parameters):
     outputs = client.infer("image_classification", {"image": text_tensor(images)}, parameters=parameters or None)
     return outputs["labels"], outputs["scores"], outputs["class_ids"]
@@ -170,7 +166,7 @@ def test_concurrent_mixed_batch_bad_inputs_fail_alone(client, triton_server, ref
     jobs = [("good", name) for name in GOOD] + [("bad", case) for case in BAD] + [("good", "scene.jpg")] * 4
     order = np.random.default_rng(1).permutation(len(jobs))
     jobs = [jobs[i] for i in order]
-    url = url_for(triton_server, client.protocol)
+    url = triton_server.url(client.protocol)
     local, clients = threading.local(), []  # one client per thread: the HTTP client is not thread-safe
     before = http_client.statistics("image_preprocess")["model_stats"][0]
 

@@ -143,6 +143,10 @@ class TritonProcess:
     def grpc_url(self) -> str:
         return f"localhost:{self.options.grpc_port}"
 
+    def url(self, protocol: str) -> str:
+        """The endpoint for a client of ``protocol`` ("http" or "grpc")."""
+        return self.http_url if protocol == "http" else self.grpc_url
+
     @property
     def metrics_url(self) -> str:
         return f"http://localhost:{self.options.metrics_port}/metrics"
