@@ -132,3 +132,18 @@ def test_compose_runs_the_launcher_on_the_containers_server_with_valid_flags():
 def test_compose_gives_the_drain_time_before_sigkill():
     seconds = int(compose()["services"]["triton"]["stop_grace_period"].rstrip("s"))
     assert seconds > ServerOptions(model_repository=Path("m")).exit_timeout_secs + 30
+
+
+def test_bls_models_declare_what_they_call_for_the_shutdown_drain():
+    from triton_pipelines.drain import dependencies
+
+    for model_py in sorted((ROOT / "python_models").glob("*/model.py")):
+        source = model_py.read_text()
+        if "InferenceRequest(" not in source and "bls" not in source.lower():
+            continue
+        config = parse((model_py.parent / "config.pbtxt").read_text())
+        declared = dependencies({"parameters": {k: {"string_value": v.string_value}
+                                                for k, v in config.parameters.items()}})
+        assert declared, f"{config.name} makes BLS calls but declares no bls_dependencies"
+        named = {v.string_value for k, v in config.parameters.items() if k.endswith("_model")}
+        assert "*" in declared or named <= declared, (config.name, named - declared)
