@@ -88,6 +88,15 @@ def test_batch_of_different_lengths_matches_in_process_greedy_decode(client, ref
         assert text.decode() == reference.transcript(audio, language=language, task=task, max_new_tokens=bound)
 
 
+def test_throughput_class_decodes_the_same_tokens(client, reference):
+    """speech_recognition_batch (the router's `batch` class: whisper_decode_batch waits for fuller
+    decode batches) serves the same weights and greedy loop."""
+    inputs = {"audio": text_tensor([HELLO, MORNING]), "max_new_tokens": int_tensor([5, 5])}
+    out = client.infer("speech_recognition_batch", inputs)
+    for row, audio in zip(out["token_ids"], (HELLO, MORNING)):
+        assert ids_of(row) == reference.tokens(audio, language="en", task="transcribe", max_new_tokens=5)
+
+
 def test_concurrent_requests_are_decoded_together_and_match(triton_server, http_client, reference):
     """Separate requests land in one whisper_decode batch (fewer executions than requests) with
     different token bounds, so windows leave the batch at different steps."""

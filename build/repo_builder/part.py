@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tritonclient.grpc import model_config_pb2 as mc
 
-from .compute import ComputeModel
+from .compute import ComputeModel, LatencyVariant
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 CACHE_DIR = PROJECT_ROOT / ".cache" / "repo_builder"
@@ -32,6 +32,8 @@ class Part:
     # Folders under python_models/ and ensembles/ that this part owns.
     python_models: tuple[str, ...] = ()
     ensembles: tuple[str, ...] = ()
+    # Latency classes of Python models that drive compute models through BLS (see variants.py).
+    python_latency_variants: dict[str, tuple[LatencyVariant, ...]] = {}
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 from .compute import ComputeModel
 from .files import is_fresh, mark_fresh, read_config, replace_dir, write_config
 from .part import PROJECT_ROOT, BuildContext, Part
-from .variants import EnsembleVariants, build_extra_versions, build_latency_variants
+from .variants import EnsembleVariants, build_extra_versions, build_latency_variants, build_python_latency_variants
 
 PYTHON_MODELS = PROJECT_ROOT / "python_models"
 ENSEMBLES = PROJECT_ROOT / "ensembles"
@@ -105,8 +105,12 @@ def build_repository(context: BuildContext, parts: list[Part]) -> list[str]:
         for name in part.ensembles:
             build_ensemble(name, part, context)
             built.append(name)
+    python_variants = {name: variants for part in parts for name, variants in part.python_latency_variants.items()}
+    for name, variants in python_variants.items():
+        built.extend(build_python_latency_variants(name, variants, context))
     # Latency-class and canary variants of the ensembles (see variants.py).
-    built.extend(EnsembleVariants(context, compute_models, [n for p in parts for n in p.ensembles]).build())
+    built.extend(EnsembleVariants(context, compute_models, [n for p in parts for n in p.ensembles],
+                                  python_variants).build())
     for stale in sorted(p for p in context.output.iterdir() if p.is_dir() and p.name not in built):
         if (stale / "config.pbtxt").exists():
             log(f"removing {stale.name}: no longer built")

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from tritonclient.grpc import model_config_pb2 as mc
 
-from .compute import ComputeModel, TensorSpec
+from .compute import ComputeModel, LatencyVariant, TensorSpec
 from .files import hash_files
 from .part import BuildContext, Part
 
@@ -50,9 +50,10 @@ ENCODER_POSITIONS = 1500
 MAX_ENCODER_BATCH = 8
 MAX_DECODER_BATCH = 64
 OPSET = 17
-# BLS drives these models one batch at a time: no "_batch" latency-class copies of them
-# (the field exists once issue 5's variants are in compute.py).
-NO_VARIANTS = {"latency_variants": ()} if "latency_variants" in ComputeModel.__dataclass_fields__ else {}
+# whisper_decode drives the Whisper models through BLS, one batch at a time: their own queue delay
+# would only add latency to every decoding step. The throughput class batches in the loop instead:
+# whisper_decode_batch waits up to 50 ms for a full decode batch (speech_recognition_batch).
+SPEECH_BATCH_VARIANT = LatencyVariant("batch", preferred_batch_sizes=(8,), max_queue_delay_microseconds=50000)
 
 
 def whisper_assets_dir() -> Path:
@@ -262,7 +263,7 @@ def encoder_model(size: str, checkpoint: Path | None, source_key: str) -> Comput
         max_batch_size=MAX_ENCODER_BATCH,
         export_onnx=lambda path: export_encoder(size, checkpoint, path),
         source_key=source_key,
-        **NO_VARIANTS,
+        latency_variants=(),
     )
 
 
@@ -283,13 +284,14 @@ def decoder_model(size: str, checkpoint: Path | None, source_key: str) -> Comput
         max_batch_size=MAX_DECODER_BATCH,
         export_onnx=lambda path: export_decoder(size, checkpoint, path),
         source_key=source_key,
-        **NO_VARIANTS,
+        latency_variants=(),
     )
 
 
 class SpeechPart(Part):
     python_models = ("audio_features", "whisper_decode")
     ensembles = ("speech_recognition",)
+    python_latency_variants = {"whisper_decode": (SPEECH_BATCH_VARIANT,)}
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:

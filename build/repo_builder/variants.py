@@ -11,6 +11,12 @@ Canary versions
     (derived from version 1's ONNX by a build in ``VERSION_BUILDS``) and writes
     ``version_policy { specific { versions: [1, 2] } }`` so both are loaded together.
 
+Python-model latency classes
+    A pipeline whose compute models are driven by a BLS loop (speech: ``whisper_decode`` calls the
+    Whisper models itself) batches in the loop model, not in the compute models. Its part declares
+    ``python_latency_variants``: ``<model>_<suffix>`` is the same Python model (its version folder
+    symlinked) with the variant's dynamic batching.
+
 Ensemble variants
     For every ensemble that reaches such a model (through nested ensembles too), the builder writes
     ``<ensemble>_<suffix>`` (steps point at the ``_<suffix>`` compute models and nested variants)
@@ -27,7 +33,7 @@ from typing import Callable
 
 from tritonclient.grpc import model_config_pb2 as mc
 
-from .compute import ComputeModel
+from .compute import ComputeModel, LatencyVariant
 from .files import hash_files, is_fresh, mark_fresh, read_config, write_config
 from .part import BuildContext
 
@@ -75,10 +81,16 @@ def build_extra_versions(model: ComputeModel, context: BuildContext, runner: Pat
             (version_dir / "model.py").unlink()
 
 
+def preferred_sizes(variant: LatencyVariant, max_batch_size: int) -> tuple[int, ...]:
+    """The variant's preferred batch sizes that the model allows (Triton rejects larger ones)."""
+    return tuple(b for b in variant.preferred_batch_sizes if b <= max_batch_size) or (max_batch_size,)
+
+
 def variant_model(model: ComputeModel, suffix: str) -> ComputeModel:
     variant = next(v for v in model.latency_variants if v.suffix == suffix)
     return dataclasses.replace(
-        model, name=f"{model.name}_{suffix}", preferred_batch_sizes=variant.preferred_batch_sizes,
+        model, name=f"{model.name}_{suffix}",
+        preferred_batch_sizes=preferred_sizes(variant, model.max_batch_size),
         max_queue_delay_microseconds=variant.max_queue_delay_microseconds,
         preserve_ordering=variant.preserve_ordering, latency_variants=())
 
@@ -106,29 +118,59 @@ def build_latency_variants(model: ComputeModel, context: BuildContext, runner: P
     return names
 
 
+def build_python_latency_variants(name: str, variants: tuple[LatencyVariant, ...],
+                                  context: BuildContext) -> list[str]:
+    """``<name>_<suffix>``: the built Python model ``<name>`` (files symlinked) with the variant's batching."""
+    source = context.output / name
+    config = read_config(source / "config.pbtxt")
+    names = []
+    for variant in variants:
+        variant_dir = context.output / f"{name}_{variant.suffix}"
+        if variant_dir.exists():
+            shutil.rmtree(variant_dir)
+        (variant_dir / "1").mkdir(parents=True)
+        for file in sorted((source / "1").iterdir()):
+            if file.is_file() and file.name != ".content-hash":
+                (variant_dir / "1" / file.name).symlink_to(Path("..") / ".." / name / "1" / file.name)
+        batched = mc.ModelConfig()
+        batched.CopyFrom(config)
+        batched.name = variant_dir.name
+        batching = batched.dynamic_batching
+        del batching.preferred_batch_size[:]
+        batching.preferred_batch_size.extend(preferred_sizes(variant, config.max_batch_size))
+        batching.max_queue_delay_microseconds = variant.max_queue_delay_microseconds
+        batching.preserve_ordering = variant.preserve_ordering
+        write_config(variant_dir / "config.pbtxt", batched)
+        names.append(variant_dir.name)
+    return names
+
+
 class EnsembleVariants:
     """Plans and writes the latency-class and canary variants of the built ensembles."""
 
-    def __init__(self, context: BuildContext, compute_models: list[ComputeModel], ensembles: list[str]):
+    def __init__(self, context: BuildContext, compute_models: list[ComputeModel], ensembles: list[str],
+                 python_variants: dict[str, tuple[LatencyVariant, ...]] | None = None):
         self.context = context
         self.compute = {m.name: m for m in compute_models}
+        # Every model with latency variants: compute models and BLS-loop Python models.
+        self.variants = {m.name: m.latency_variants for m in compute_models} | (python_variants or {})
         self.configs = {name: read_config(context.output / name / "config.pbtxt") for name in ensembles}
         self.reaches = {name: self._reach(name, ()) for name in self.configs}
 
     def _reach(self, name: str, seen: tuple[str, ...]) -> set[str]:
         found: set[str] = set()
         for step in self.configs[name].ensemble_scheduling.step:
-            if step.model_name in self.compute:
+            if step.model_name in self.variants:
                 found.add(step.model_name)
             elif step.model_name in self.configs and step.model_name not in seen:
                 found |= self._reach(step.model_name, seen + (name,))
         return found
 
     def classes(self, name: str) -> list[str]:
-        return sorted({v.suffix for m in self.reaches[name] for v in self.compute[m].latency_variants})
+        return sorted({v.suffix for m in self.reaches[name] for v in self.variants[m]})
 
     def canary_model(self, name: str) -> ComputeModel | None:
-        models = sorted(m for m in self.reaches[name] if self.compute[m].extra_versions)
+        models = sorted(m for m in self.reaches[name] if m in self.compute and self.compute[m].extra_versions)
         if len(models) > 1:
             raise ValueError(f"ensemble {name} reaches several canary models {models}: one at most")
         return self.compute[models[0]] if models else None
@@ -143,12 +185,12 @@ class EnsembleVariants:
         config.CopyFrom(self.configs[name])
         config.name = self.variant_name(name, suffix, version)
         for step in config.ensemble_scheduling.step:
-            model = self.compute.get(step.model_name)
-            if model is not None:
-                if suffix and any(v.suffix == suffix for v in model.latency_variants):
-                    step.model_name = f"{model.name}_{suffix}"
-                if model.extra_versions:
+            if step.model_name in self.variants:
+                model = self.compute.get(step.model_name)
+                if model is not None and model.extra_versions:
                     step.model_version = version or STABLE_VERSION
+                if suffix and any(v.suffix == suffix for v in self.variants[step.model_name]):
+                    step.model_name = f"{step.model_name}_{suffix}"
             elif step.model_name in self.configs:
                 step.model_name = self.variant_name(step.model_name, suffix, version)
         return config
