@@ -24,7 +24,6 @@ class TritonPythonModel:
             intra_op_threads=int(parameters.get("intra_op_threads", "0")),
             output_names=self.output_names,
             pad_ragged=any(i.get("allow_ragged_batch", False) for i in config["input"]),
-            allow_spinning=False,  # the CPU is shared with the server and the other stubs
         )
 
     def execute(self, requests):

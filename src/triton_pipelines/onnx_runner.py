@@ -17,17 +17,12 @@ import numpy as np
 
 class OnnxBatchRunner:
     def __init__(self, model_path: Path | str, intra_op_threads: int = 0,
-                 output_names: Sequence[str] | None = None, pad_ragged: bool = False,
-                 allow_spinning: bool = True):
+                 output_names: Sequence[str] | None = None, pad_ragged: bool = False):
         import onnxruntime as ort
 
         options = ort.SessionOptions()
         options.intra_op_num_threads = intra_op_threads
         options.inter_op_num_threads = 1
-        if not allow_spinning:
-            # Inside Triton the CPU is shared with the server, the other stubs and the clients:
-            # ORT's worker threads busy-waiting between ops would take their cycles.
-            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self.session = ort.InferenceSession(str(model_path), options, providers=["CPUExecutionProvider"])
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.output_names = list(output_names or [o.name for o in self.session.get_outputs()])
