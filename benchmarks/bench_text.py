@@ -18,6 +18,7 @@ from triton_pipelines.text import TextTokenizer, mean_pool_normalize, parse_buck
 from .perf import BENCH_DIR, markdown_table, perf_analyzer
 
 CONCURRENCY = (1, 2, 4, 8, 16, 32)
+PAIRS = 3
 THREADS = 2  # the embedded text_encoder's intra_op_threads; the in-process baseline uses the same
 WORDS = ("order refund password shipping delivery account invoice subscription update error "
          "crash login package tracking charge card cancel support help question").split()
@@ -121,8 +122,16 @@ def run(server) -> str:
     best_throughput = baseline[best_batch][0]
     rows = [perf_analyzer("text_embedding", server.grpc_url, c, input_data=data) for c in CONCURRENCY]
     peak = max(rows, key=lambda r: r.throughput)
-    ratio = peak.throughput / best_throughput
-    added_p50 = rows[0].p50_ms - baseline[1][1]
+    # The shared machine drifts between tables: the targets are judged on back-to-back pairs
+    # (in-process, then Triton, measured together), median of PAIRS.
+    saturation_pairs = [(in_process(repository, texts, best_batch)[0],
+                         perf_analyzer("text_embedding", server.grpc_url, peak.concurrency, input_data=data).throughput)
+                        for _ in range(PAIRS)]
+    latency_pairs = [(in_process(repository, texts, 1)[1],
+                      perf_analyzer("text_embedding", server.grpc_url, 1, input_data=data).p50_ms)
+                     for _ in range(PAIRS)]
+    ratio = statistics.median(served / local for local, served in saturation_pairs)
+    added_p50 = statistics.median(served - local for local, served in latency_pairs)
     # The throughput latency class (router `batch`): same weights, preferred batches, queue delay.
     batch_rows = ([perf_analyzer("text_embedding_batch", server.grpc_url, c, input_data=data) for c in (16, 32)]
                   if (repository / "text_embedding_batch").exists() else [])
@@ -141,10 +150,17 @@ def run(server) -> str:
         markdown_table(["in-process batch size", "texts/s", "p50 ms per batch"],
                        [[b, t, p] for b, (t, p) in baseline.items()]),
         "",
-        f"**Ratio at saturation:** Triton {peak.throughput:.1f} texts/s (concurrency {peak.concurrency}) / "
-        f"in-process {best_throughput:.1f} texts/s (batch {best_batch}) = **{ratio:.0%}** (target ≥ 85%).",
-        f"**Added p50 at concurrency 1:** {rows[0].p50_ms:.2f} ms through Triton vs {baseline[1][1]:.2f} ms "
-        f"in-process = **{added_p50:+.2f} ms** (target ≤ 2 ms).",
+        f"Back-to-back pairs (in-process batch {best_batch} then Triton at concurrency {peak.concurrency}; "
+        "in-process batch 1 p50 then Triton concurrency 1 p50):",
+        "",
+        markdown_table(["pair", "in-process texts/s", "Triton texts/s", "ratio", "in-process p50 ms",
+                        "Triton p50 ms", "added p50 ms"],
+                       [[i + 1, local, served, f"{served / local:.0%}", local_ms, served_ms, served_ms - local_ms]
+                        for i, ((local, served), (local_ms, served_ms))
+                        in enumerate(zip(saturation_pairs, latency_pairs))]),
+        "",
+        f"**Ratio at saturation (median of {PAIRS} pairs): {ratio:.0%}** (target ≥ 85%).",
+        f"**Added p50 at concurrency 1 (median of {PAIRS} pairs): {added_p50:+.2f} ms** (target ≤ 2 ms).",
     ]
     if batch_rows:
         batch_peak = max(batch_rows, key=lambda r: r.throughput)
@@ -156,8 +172,8 @@ def run(server) -> str:
             markdown_table(["concurrency", "texts/s", "p50 ms", "p99 ms"],
                            [[r.concurrency, r.throughput, r.p50_ms, r.p99_ms] for r in batch_rows]),
             "",
-            f"**Ratio at saturation, throughput class:** {batch_peak.throughput:.1f} / {best_throughput:.1f} texts/s = "
-            f"**{batch_peak.throughput / best_throughput:.0%}**.",
+            f"Throughput class at its peak: {batch_peak.throughput:.1f} texts/s, "
+            f"{batch_peak.throughput / best_throughput:.0%} of the in-process sweep's best ({best_throughput:.1f}).",
         ]
     lines += [
         "",
