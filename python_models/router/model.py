@@ -6,7 +6,6 @@ Logic lives in ``triton_pipelines.routing`` / ``triton_pipelines.gateway``; this
 BLS calls and the custom metrics."""
 
 import asyncio
-import json
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -15,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from triton_pipelines.backend import model_parameters
 from triton_pipelines.errors import InputError
 from triton_pipelines.gateway import GatewayClient
 from triton_pipelines.routing import RouteError, Router, RouteTable, SplitFile, json_bytes
@@ -71,8 +71,7 @@ class Metrics:
 
 class TritonPythonModel:
     def initialize(self, args):
-        config = json.loads(args["model_config"])
-        parameters = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        parameters = model_parameters(args)
         model_dir = Path(args["model_repository"])
         table = RouteTable.load(model_dir / args["model_version"] / "routes.yaml")
         split_path = os.environ.get("ROUTER_SPLIT_FILE") or parameters.get("split_file") or model_dir / "splits.json"
