@@ -98,7 +98,7 @@ def test_cli_serves_on_environment_ports_and_stops_cleanly_on_ctrl_c():
     log = open(LOG_DIR / "cli-server.log", "wb")
     process = subprocess.Popen(
         [sys.executable, "-m", "triton_pipelines.launcher", "--model-repository", str(ensure_repository()),
-         "--load-model", "text_tokenizer"], env=env, stdout=log, stderr=subprocess.STDOUT)
+         "--load-model", "text_tokenizer"], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and process.poll() is None:
@@ -107,8 +107,13 @@ def test_cli_serves_on_environment_ports_and_stops_cleanly_on_ctrl_c():
             time.sleep(0.5)
         assert urllib.request.urlopen(f"http://localhost:{http}/v2/health/ready", timeout=5).status == 200
         assert urllib.request.urlopen(f"http://localhost:{metrics}/metrics", timeout=5).status == 200
-        process.send_signal(signal.SIGINT)
+        os.killpg(process.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole process group
         assert process.wait(timeout=90) == 0
     finally:
         if process.poll() is None:
             process.kill()
+    server_log = (LOG_DIR / "cli-server.log").read_text(errors="replace")
+    # The launcher drained (unloaded the models) and then stopped Triton with SIGTERM; Triton never
+    # saw the Ctrl-C itself.
+    assert "successfully unloaded 'text_tokenizer'" in server_log
+    assert "Signal (15) received" in server_log and "Signal (2) received" not in server_log

@@ -118,6 +118,14 @@ def server_environment() -> dict[str, str]:
     return env
 
 
+def _terminate_with_parent() -> None:
+    """In the child before exec: SIGTERM it if the launcher dies without stopping it (Linux)."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
 class TritonProcess:
     """A running ``tritonserver`` process; use as a context manager or call ``stop()``."""
 
@@ -131,8 +139,11 @@ class TritonProcess:
             options.backend_dir = Path(tempfile.mkdtemp(prefix="triton-backends-"))
         if embedded:
             prepare_backend_dir(options.backend_dir)
+        # Its own session: a terminal's Ctrl-C reaches this launcher (which drains, then stops the
+        # server) rather than tritonserver directly (whose own shutdown fails in-flight ensembles).
         self.process = subprocess.Popen(
-            server_command(options), env=server_environment() if embedded else None, stdout=stdout, stderr=stderr
+            server_command(options), env=server_environment() if embedded else None, stdout=stdout, stderr=stderr,
+            start_new_session=True, preexec_fn=_terminate_with_parent,
         )
 
     @property
