@@ -16,6 +16,8 @@ import pytest
 from triton_pipelines.client import TritonClient
 from triton_pipelines.launcher import start_on_free_ports
 
+from .fake_gateway import FakeGateway
+
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 MODEL_REPOSITORY = Path(os.environ.get("TEST_MODEL_REPOSITORY", PROJECT_ROOT / "model_repository")).resolve()
 LOG_DIR = PROJECT_ROOT / ".cache"
@@ -49,3 +51,11 @@ def http_client(triton_server) -> TritonClient:
     c = TritonClient("http", triton_server.http_url)
     yield c
     c.close()
+
+
+@pytest.fixture(scope="module")
+def fake() -> FakeGateway:
+    """A local OpenAI-compatible server on 127.0.0.1 (tests/fake_gateway.py) for the gateway route."""
+    gateway = FakeGateway().start()
+    yield gateway
+    gateway.stop()

@@ -20,24 +20,13 @@ import yaml
 from triton_pipelines.client import InferenceServerException, TritonClient
 from triton_pipelines.launcher import start_on_free_ports
 
-try:
-    from tests.fake_gateway import FakeGateway, Reply
-    from tests.router_helpers import metric, route, scrape
-except ImportError:  # tests/ not a package
-    from fake_gateway import FakeGateway, Reply
-    from router_helpers import metric, route, scrape
+from .fake_gateway import Reply
+from .router_helpers import metric, route, scrape
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "sk-router-test-" + os.urandom(12).hex()
 GATEWAY = {"timeout_s": 1.0, "max_retries": 2, "backoff_s": 0.05, "max_backoff_s": 0.2,
            "circuit_failure_threshold": 5, "circuit_reset_s": 2.0}
-
-
-@pytest.fixture(scope="module")
-def fake():
-    gateway = FakeGateway().start()
-    yield gateway
-    gateway.stop()
 
 
 @pytest.fixture(scope="module")

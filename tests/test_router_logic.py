@@ -20,10 +20,7 @@ from triton_pipelines.gateway import API_KEY_ENV, BASE_URL_ENV, CircuitBreaker, 
 from triton_pipelines.routing import (GatewaySettings, RouteError, Router, RouteTable, SplitFile, choose_model,
                                       choose_version, cost_usd, split_point, tensor_to_json)
 
-try:
-    from tests.fake_gateway import FakeGateway, Reply
-except ImportError:  # tests/ not a package
-    from fake_gateway import FakeGateway, Reply
+from .fake_gateway import Reply
 
 ROOT = Path(__file__).resolve().parents[1]
 ROUTES = ROOT / "data" / "routes.yaml"
@@ -161,13 +158,6 @@ def test_tensor_to_json_drops_the_batch_axis():
 KEY = "sk-unit-" + os.urandom(8).hex()
 FAST = GatewaySettings(timeout_s=0.5, max_retries=2, backoff_s=0.01, circuit_failure_threshold=3,
                        circuit_reset_s=0.3)
-
-
-@pytest.fixture(scope="module")
-def fake():
-    gateway = FakeGateway().start()
-    yield gateway
-    gateway.stop()
 
 
 @pytest.fixture

@@ -19,10 +19,7 @@ from triton_pipelines.client import InferenceServerException, TritonClient, text
 from triton_pipelines.onnx_runner import OnnxBatchRunner
 from triton_pipelines.text import TextTokenizer, mean_pool_normalize
 
-try:
-    from tests.router_helpers import metric, route, scrape
-except ImportError:  # tests/ not a package
-    from router_helpers import metric, route, scrape
+from .router_helpers import metric, route, scrape
 
 TEXTS = ["I want a refund for my order", "my password does not work anymore", "hi"]
 DATA = Path(__file__).resolve().parent / "data"

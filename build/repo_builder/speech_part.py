@@ -248,18 +248,23 @@ def share_tied_embedding(onnx_path: Path) -> None:
 
 
 
+def cross_attention_specs(arch: dict) -> tuple[TensorSpec, ...]:
+    """The cross-attention K/V of every decoder layer: the encoder's outputs, the decoder's inputs."""
+    heads = arch["decoder_attention_heads"]
+    head_dim = arch["d_model"] // heads
+    specs = []
+    for i in range(arch["decoder_layers"]):
+        specs += [TensorSpec(f"cross_key_{i}", "TYPE_FP32", (heads, head_dim, ENCODER_POSITIONS)),
+                  TensorSpec(f"cross_value_{i}", "TYPE_FP32", (heads, ENCODER_POSITIONS, head_dim))]
+    return tuple(specs)
+
+
 def encoder_model(size: str, checkpoint: Path | None, source_key: str) -> ComputeModel:
     arch = whisper_config_dict(size, checkpoint)
-    layers, heads = arch["decoder_layers"], arch["decoder_attention_heads"]
-    head_dim = arch["d_model"] // heads
-    outputs = []
-    for i in range(layers):
-        outputs += [TensorSpec(f"cross_key_{i}", "TYPE_FP32", (heads, head_dim, ENCODER_POSITIONS)),
-                    TensorSpec(f"cross_value_{i}", "TYPE_FP32", (heads, ENCODER_POSITIONS, head_dim))]
     return ComputeModel(
         name="whisper_encoder",
         inputs=(TensorSpec("input_features", "TYPE_FP32", (arch["num_mel_bins"], N_FRAMES)),),
-        outputs=tuple(outputs),
+        outputs=cross_attention_specs(arch),
         max_batch_size=MAX_ENCODER_BATCH,
         export_onnx=lambda path: export_encoder(size, checkpoint, path),
         source_key=source_key,
@@ -272,13 +277,10 @@ def decoder_model(size: str, checkpoint: Path | None, source_key: str) -> Comput
     layers, heads = arch["decoder_layers"], arch["decoder_attention_heads"]
     head_dim = arch["d_model"] // heads
     cache = (2 * layers, heads, -1, head_dim)
-    inputs = [TensorSpec("input_ids", "TYPE_INT64", (-1,)), TensorSpec("past_self_kv", "TYPE_FP32", cache)]
-    for i in range(layers):
-        inputs += [TensorSpec(f"cross_key_{i}", "TYPE_FP32", (heads, head_dim, ENCODER_POSITIONS)),
-                   TensorSpec(f"cross_value_{i}", "TYPE_FP32", (heads, ENCODER_POSITIONS, head_dim))]
     return ComputeModel(
         name="whisper_decoder",
-        inputs=tuple(inputs),
+        inputs=(TensorSpec("input_ids", "TYPE_INT64", (-1,)), TensorSpec("past_self_kv", "TYPE_FP32", cache),
+                *cross_attention_specs(arch)),
         outputs=(TensorSpec("logits", "TYPE_FP32", (arch["vocab_size"],)),
                  TensorSpec("present_self_kv", "TYPE_FP32", cache)),
         max_batch_size=MAX_DECODER_BATCH,
