@@ -17,6 +17,7 @@ from triton_pipelines.speech import (
     WINDOW_SAMPLES,
     GreedyBatch,
     WhisperTokenizer,
+    cross_names,
     decode_audio,
     group_windows,
     join_transcript,
@@ -266,6 +267,12 @@ def test_gpu_target_defaults_to_large_v3_configs_without_exporting():
     embedded = BuildContext(target="embedded", output=Path("/nonexistent"), args=args)
     tiny_encoder, tiny_decoder = part.compute_models(embedded)
     assert tiny_encoder.config("embedded").backend == "python"
-    # one description: same tensors on both targets
-    assert tiny_decoder.config("embedded").input == tiny_decoder.config("gpu").input
+    # one description: same tensors on both targets; on the embedded target the cross K/V are
+    # also optional (a BLS caller may name the runner's cached copy instead)
+    embedded_inputs, gpu_inputs = tiny_decoder.config("embedded").input, tiny_decoder.config("gpu").input
+    assert [(t.name, t.data_type, list(t.dims)) for t in embedded_inputs] == \
+        [(t.name, t.data_type, list(t.dims)) for t in gpu_inputs]
+    assert [t.name for t in embedded_inputs if t.optional] == cross_names(4)
+    assert not any(t.optional for t in gpu_inputs)
+    assert tiny_decoder.config("embedded").parameters["cached_inputs"].string_value == ",".join(cross_names(4))
     assert part.model_table(gpu)[0]["architecture"].startswith("Whisper large-v3")

@@ -243,3 +243,33 @@ def test_in_process_onnx_decode_equals_transformers_generate(triton_server, refe
     ours = reference.whisper.decode_windows(features, prompts, tok.eot, 8)
     expected = [[t for t in row if t != tok.eot] for row in generated[:, -8:].tolist()]
     assert ours == expected
+
+
+def test_embedded_decoder_keeps_cross_kv_between_steps_of_one_caller(client, reference):
+    """whisper_decoder on the embedded target: the first call carries the cross K/V with an
+    input_cache_key; later calls name it (and the rows still running) and compute the same logits
+    as calls that carry the tensors, as the in-process decoder does."""
+    whisper = reference.whisper
+    features = np.concatenate([audio_to_features(audio, reference.filters) for audio in (HELLO, MORNING)])
+    cross = whisper.encode(features)
+    prompts = np.array([reference.tokenizer.prompt()] * 2, dtype=np.int64)
+    shape = whisper.shape
+    past = np.zeros((2, 2 * shape.layers, shape.heads, 0, shape.head_dim), np.float32)
+    key = f"test/{client.protocol}"
+    first = client.infer("whisper_decoder", {"input_ids": prompts, "past_self_kv": past, **cross},
+                         parameters={"input_cache_key": key})
+    logits, present = whisper.decoder.run(["logits", "present_self_kv"],
+                                          {"input_ids": prompts, "past_self_kv": past, **cross})
+    np.testing.assert_allclose(first["logits"], logits, atol=1e-4)
+    # second step for window 1 only, naming the cached K/V
+    ids = np.argmax(logits[1:], axis=-1).reshape(1, 1).astype(np.int64)
+    second = client.infer("whisper_decoder", {"input_ids": ids, "past_self_kv": present[1:]},
+                          parameters={"input_cache_key": key, "input_cache_rows": "1"})
+    expected, _ = whisper.decoder.run(["logits", "present_self_kv"], {
+        "input_ids": ids, "past_self_kv": present[1:], **{n: v[1:] for n, v in cross.items()}})
+    np.testing.assert_allclose(second["logits"], expected, atol=1e-4)
+    assert_invalid(lambda: client.infer("whisper_decoder", {"input_ids": ids, "past_self_kv": present[1:]},
+                                        parameters={"input_cache_key": "never-stored"}),
+                   "'never-stored' is not cached")
+    assert_invalid(lambda: client.infer("whisper_decoder", {"input_ids": ids, "past_self_kv": present[1:]}),
+                   "missing inputs", "cross_key_0")

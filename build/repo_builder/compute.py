@@ -6,7 +6,8 @@ Targets:
 - ``gpu``: the native ``onnxruntime_onnx`` backend on ``KIND_GPU`` (the NGC container); per model,
   ``gpu_backend`` may instead choose ONNX Runtime with the TensorRT execution accelerator
   (``onnxruntime_trt``) or a TensorRT engine (``tensorrt_plan``, built by ``trtexec_args()``).
-Name, tensors, max batch size and dynamic batching are identical in both.
+Name, tensors, max batch size and dynamic batching are identical in both (on the embedded target,
+inputs listed in ``embedded_cached_inputs`` are also optional: a BLS caller may name a cached copy).
 """
 
 from __future__ import annotations
@@ -71,6 +72,10 @@ class ComputeModel:
     # Canary: versions loaded together (version_policy specific); version N > 1 is derived from
     # version 1's ONNX by the named build in ``variants.VERSION_BUILDS`` ((2, "int8_dynamic"), ...).
     extra_versions: tuple[tuple[int, str], ...] = field(default=(), repr=False)
+    # embedded target only: inputs the ONNX Runtime runner keeps between a BLS caller's calls
+    # (``onnx_runner.InputCache``). They stay in the config with their dims, marked optional, so a
+    # caller may send them once and then name them by key instead of copying them on every call.
+    embedded_cached_inputs: tuple[str, ...] = field(default=(), repr=False)
 
     @property
     def versions(self) -> tuple[int, ...]:
@@ -102,6 +107,13 @@ class ComputeModel:
             config.instance_group.add(kind=mc.ModelInstanceGroup.KIND_CPU, count=1)
             config.parameters["onnx_file"].string_value = "model.onnx"
             config.parameters["intra_op_threads"].string_value = str(self.embedded_cpu_threads)
+            if self.embedded_cached_inputs:
+                unknown = set(self.embedded_cached_inputs) - {t.name for t in self.inputs}
+                if unknown:
+                    raise ValueError(f"{self.name}: embedded_cached_inputs names unknown inputs {sorted(unknown)}")
+                for tensor in config.input:
+                    tensor.optional = tensor.name in self.embedded_cached_inputs
+                config.parameters["cached_inputs"].string_value = ",".join(self.embedded_cached_inputs)
         else:
             self._gpu_backend_config(config)
             config.instance_group.add(kind=mc.ModelInstanceGroup.KIND_GPU, count=self.gpu_instances)

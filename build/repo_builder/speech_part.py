@@ -26,6 +26,8 @@ from pathlib import Path
 
 from tritonclient.grpc import model_config_pb2 as mc
 
+from triton_pipelines.speech import cross_names
+
 from .compute import ComputeModel, LatencyVariant, TensorSpec
 from .files import hash_files
 from .part import BuildContext, Part
@@ -171,10 +173,6 @@ def _modules():
     return EncoderWithCrossKV, DecoderStep
 
 
-def cross_names(layers: int) -> list[str]:
-    return [name for i in range(layers) for name in (f"cross_key_{i}", f"cross_value_{i}")]
-
-
 def export_encoder(size: str, checkpoint: Path | None, onnx_path: Path) -> None:
     import torch
 
@@ -287,6 +285,9 @@ def decoder_model(size: str, checkpoint: Path | None, source_key: str) -> Comput
         export_onnx=lambda path: export_decoder(size, checkpoint, path),
         source_key=source_key,
         latency_variants=(),
+        # The cross K/V do not change between the steps of a batch: on the embedded target
+        # whisper_decode sends them once per batch instead of copying them into every step.
+        embedded_cached_inputs=tuple(cross_names(layers)),
     )
 
 
@@ -337,6 +338,8 @@ class SpeechPart(Part):
             config.parameters["decoder_layers"].string_value = str(arch["decoder_layers"])
             config.parameters["encoder_max_batch_size"].string_value = str(MAX_ENCODER_BATCH)
             config.parameters["decoder_max_batch_size"].string_value = str(MAX_DECODER_BATCH)
+            # whisper_decoder's embedded runner caches the cross K/V (its embedded_cached_inputs).
+            config.parameters["decoder_input_cache"].string_value = str(context.target == "embedded").lower()
 
     def write_assets(self, model_name: str, version_dir: Path, context: BuildContext) -> None:
         assets = whisper_assets_dir()

@@ -1,6 +1,10 @@
 """Embedded target only: a compute model (same name, tensors and batching as the native
 ``onnxruntime_onnx`` one) served by the Python backend running ONNX Runtime on the CPU.
-The builder generates this model's config from the compute model's description."""
+The builder generates this model's config from the compute model's description.
+
+Config parameter ``cached_inputs`` (comma-separated, optional): inputs a BLS caller may send once
+with the request parameter ``input_cache_key`` and then omit, naming the key (and, with
+``input_cache_rows``, the rows still wanted); see ``triton_pipelines.onnx_runner.InputCache``."""
 
 import json
 from pathlib import Path
@@ -8,7 +12,8 @@ from pathlib import Path
 import triton_python_backend_utils as pb_utils
 
 from triton_pipelines.backend import error_response, model_parameters
-from triton_pipelines.onnx_runner import OnnxBatchRunner
+from triton_pipelines.errors import InputError
+from triton_pipelines.onnx_runner import InputCache, OnnxBatchRunner, parse_rows
 
 
 class TritonPythonModel:
@@ -25,18 +30,52 @@ class TritonPythonModel:
             output_names=self.output_names,
             pad_ragged=any(i.get("allow_ragged_batch", False) for i in config["input"]),
         )
+        cached = [name for name in parameters.get("cached_inputs", "").split(",") if name]
+        self.cache = InputCache(cached, int(parameters.get("input_cache_entries", "8"))) if cached else None
 
     def execute(self, requests):
-        feeds = [
-            {name: pb_utils.get_input_tensor_by_name(request, name).as_numpy() for name in self.input_names}
-            for request in requests
-        ]
+        responses = [None] * len(requests)
+        batched, batched_feeds = [], []
+        for index, request in enumerate(requests):
+            try:
+                feeds, cache_key = self.feeds(request)
+            except InputError as error:
+                responses[index] = error_response(error)
+                continue
+            if cache_key is None:
+                batched.append(index)
+                batched_feeds.append(feeds)
+            else:  # its cached tensors are this caller's own: run alone rather than copy them into a batch
+                responses[index] = self.run([feeds])[0]
+        if batched:
+            for index, response in zip(batched, self.run(batched_feeds)):
+                responses[index] = response
+        return responses
+
+    def feeds(self, request):
+        """→ (input name → array, the input cache key or None)."""
+        feeds = {}
+        for name in self.input_names:
+            tensor = pb_utils.get_input_tensor_by_name(request, name)
+            if tensor is not None:
+                feeds[name] = tensor.as_numpy()
+        parameters = json.loads(request.parameters() or "{}")
+        key = parameters.get("input_cache_key")
+        if key is None or self.cache is None:
+            missing = [name for name in self.input_names if name not in feeds]
+            if missing:
+                raise InputError(f"{self.model_name}: missing inputs {missing}"
+                                 + (" (or an input_cache_key naming them)" if self.cache else ""))
+            return feeds, None
+        rows = parameters.get("input_cache_rows")
+        feeds.update(self.cache.resolve(str(key), feeds, None if rows is None else parse_rows(str(rows))))
+        return feeds, key
+
+    def run(self, feeds):
         try:
             results = self.runner.run(feeds)
-        except Exception as error:  # an ONNX Runtime failure fails this batch, not the server
+        except Exception as error:  # an ONNX Runtime failure fails these requests, not the server
             return [error_response(RuntimeError(f"{self.model_name}: ONNX Runtime failed: {error}"))
-                    for _ in requests]
-        return [
-            pb_utils.InferenceResponse([pb_utils.Tensor(name, result[name]) for name in self.output_names])
-            for result in results
-        ]
+                    for _ in feeds]
+        return [pb_utils.InferenceResponse([pb_utils.Tensor(name, result[name]) for name in self.output_names])
+                for result in results]

@@ -2,10 +2,13 @@
 
 All requests of one dynamic batch are decoded together: their windows go through the encoder in
 one call (per ``encoder_max_batch_size``), then every decoder step is one call for all windows
-still running. Tensors that did not change are passed on as the BLS response's own objects (the
-cross-attention K/V are written to shared memory once per batch, not once per step). Request
-parsing and token selection live in ``triton_pipelines.speech``."""
+still running. The cross-attention K/V do not change between steps: on the gpu target they are
+passed on as the encoder response's own (device) tensors; on the embedded target, where every BLS
+input is copied into the callee's stub, the first step sends them and later steps name the
+decoder's cached copy (``input_cache_key``). Request parsing and token selection live in
+``triton_pipelines.speech``."""
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +42,11 @@ class TritonPythonModel:
         self.tokenizer = WhisperTokenizer.for_vocab_size(version_dir / "multilingual.tiktoken", vocab_size)
         self.mask = suppress_mask(vocab_size, self.tokenizer.eot)
         self.cross_names = cross_names(int(p["decoder_layers"]))
+        # Embedded target: the decoder's runner keeps the cross K/V of this instance's current batch
+        # under this key, so only the first step of a batch copies them (onnx_runner.InputCache).
+        self.cross_cache_key = None
+        if p.get("decoder_input_cache", "false") == "true":
+            self.cross_cache_key = f"{args['model_name']}/{args['model_instance_name']}/{os.getpid()}"
 
     def execute(self, requests):
         responses = [None] * len(requests)
@@ -98,16 +106,23 @@ class TritonPythonModel:
         _, heads, _, head_dim = cross["cross_value_0"].shape()
         # Zero-length self-attention cache on the first step: [rows, 2 * layers, heads, 0, head_dim].
         past = pb_utils.Tensor("past_self_kv", np.zeros((len(prompts), len(cross), heads, 0, head_dim), np.float32))
+        cache = {} if self.cross_cache_key is None else {"input_cache_key": self.cross_cache_key}
+        step_cross = list(cross.values())  # first step: the tensors themselves (stored by a caching decoder)
         while not state.done:
             ids = pb_utils.Tensor("input_ids", state.next_ids)
-            outputs = self.infer(self.decoder_model, [ids, past, *cross.values()], ["logits", "present_self_kv"],
-                                 cpu_outputs=True)
+            outputs = self.infer(self.decoder_model, [ids, past, *step_cross], ["logits", "present_self_kv"],
+                                 cpu_outputs=True, parameters=cache)
             rows = state.advance(outputs["logits"].as_numpy())
             present = outputs["present_self_kv"].as_numpy()
+            if cache:
+                step_cross = []
+                if rows is not None:  # the decoder cuts its cached copy to the running windows
+                    cache["input_cache_rows"] = ",".join(str(window) for window in state.active)
             if rows is not None:
                 present = present[rows]
-                cross = {name: pb_utils.Tensor(name, np.ascontiguousarray(t.as_numpy()[rows]))
-                         for name, t in cross.items()}
+                if not cache:
+                    step_cross = [pb_utils.Tensor(name, np.ascontiguousarray(t.as_numpy()[rows]))
+                                  for name, t in zip(cross, step_cross)]
             past = pb_utils.Tensor("past_self_kv", present)
         return state.tokens
 
@@ -123,8 +138,8 @@ class TritonPythonModel:
         return {name: pb_utils.Tensor(name, np.concatenate([part[name].as_numpy() for part in parts]))
                 for name in parts[0]}
 
-    def infer(self, model, inputs, outputs, cpu_outputs=False):
-        kwargs = {}
+    def infer(self, model, inputs, outputs, cpu_outputs=False, parameters=None):
+        kwargs = {"parameters": dict(parameters)} if parameters else {}
         if cpu_outputs:
             kwargs["preferred_memory"] = pb_utils.PreferredMemory(pb_utils.TRITONSERVER_MEMORY_CPU, 0)
         request = pb_utils.InferenceRequest(model_name=model, inputs=inputs,

@@ -1,0 +1,78 @@
+"""onnx_runner.InputCache: what the embedded compute models keep between a BLS caller's calls."""
+
+import numpy as np
+import pytest
+
+from triton_pipelines.errors import InputError
+from triton_pipelines.onnx_runner import InputCache, parse_rows
+
+
+def arrays(rows: int, offset: float = 0.0) -> dict[str, np.ndarray]:
+    return {"k": np.arange(rows * 3, dtype=np.float32).reshape(rows, 3) + offset,
+            "v": -np.arange(rows * 2, dtype=np.float32).reshape(rows, 2) - offset}
+
+
+def test_stores_a_copy_and_returns_it_by_key():
+    cache, given = InputCache(["k", "v"]), arrays(4)
+    stored = cache.resolve("slot", given)
+    given["k"][:] = 99  # the caller's buffer (shared memory) is reused after the call
+    again = cache.resolve("slot", {})
+    np.testing.assert_array_equal(again["k"], arrays(4)["k"])
+    assert again["k"] is stored["k"]
+
+
+def test_rows_are_original_row_numbers_and_shrink_for_good():
+    cache = InputCache(["k", "v"])
+    cache.resolve("slot", arrays(5))
+    cut = cache.resolve("slot", {}, rows=[0, 2, 4])
+    np.testing.assert_array_equal(cut["k"], arrays(5)["k"][[0, 2, 4]])
+    assert cut["k"].flags.c_contiguous
+    # later calls name original rows again; the same set reuses the gathered copy
+    assert cache.resolve("slot", {}, rows=[0, 2, 4])["k"] is cut["k"]
+    np.testing.assert_array_equal(cache.resolve("slot", {}, rows=[4])["v"], arrays(5)["v"][[4]])
+    with pytest.raises(InputError, match="not an ascending subset"):
+        cache.resolve("slot", {}, rows=[2])  # left earlier
+
+
+@pytest.mark.parametrize("rows", [[], [1, 0], [0, 0], [7]])
+def test_bad_rows_are_refused(rows):
+    cache = InputCache(["k", "v"])
+    cache.resolve("slot", arrays(3))
+    with pytest.raises(InputError, match="rows"):
+        cache.resolve("slot", {}, rows=rows)
+
+
+def test_storing_under_a_key_replaces_that_slot_only():
+    cache = InputCache(["k", "v"])
+    cache.resolve("a", arrays(2))
+    cache.resolve("b", arrays(3))
+    cache.resolve("a", arrays(1, offset=10))
+    assert len(cache) == 2
+    np.testing.assert_array_equal(cache.resolve("a", {})["k"], arrays(1, offset=10)["k"])
+    assert len(cache.resolve("b", {})["k"]) == 3
+
+
+def test_least_recently_used_key_leaves_first():
+    cache = InputCache(["k", "v"], max_entries=2)
+    cache.resolve("a", arrays(1))
+    cache.resolve("b", arrays(1))
+    cache.resolve("a", {})  # a is now the most recently used
+    cache.resolve("c", arrays(1))
+    assert len(cache) == 2
+    cache.resolve("a", {})
+    with pytest.raises(InputError, match="'b' is not cached"):
+        cache.resolve("b", {})
+
+
+def test_partial_inputs_and_unknown_keys_are_refused():
+    cache = InputCache(["k", "v"])
+    with pytest.raises(InputError, match="missing \\['v'\\]"):
+        cache.resolve("slot", {"k": arrays(1)["k"]})
+    with pytest.raises(InputError, match="'other' is not cached"):
+        cache.resolve("other", {})
+
+
+def test_parse_rows():
+    assert parse_rows("0, 2,5") == [0, 2, 5]
+    with pytest.raises(InputError, match="comma-separated integers"):
+        parse_rows("0,x")
