@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import statistics
 import struct
 import time
 from pathlib import Path
@@ -26,6 +27,7 @@ from .perf import BENCH_DIR, markdown_table, perf_analyzer
 
 ROOT = Path(__file__).resolve().parents[1]
 CONCURRENCY = (1, 2, 4, 8)
+PAIRS = 3
 THREADS = 2  # the embedded compute models' intra_op_threads; the in-process baseline uses the same
 CLIP_SECONDS = 10.0
 # Random weights rarely emit <|endoftext|>: every request decodes exactly this many tokens, about
@@ -111,14 +113,21 @@ def run(server) -> str:
     after = model_times(client)
     client.close()
     baseline = {b: in_process(repository, wav, b) for b in (1, 2, 4, 8)}
+    best_batch = max(baseline, key=lambda b: baseline[b]["audio_per_s"])
+    peak = max(rows, key=lambda r: r.throughput)
+    # The shared machine drifts between tables: the target is judged on back-to-back pairs
+    # (in-process at its best batch, then Triton at its best concurrency), median of PAIRS.
+    pairs = [(in_process(repository, wav, best_batch)["audio_per_s"],
+              perf_analyzer("speech_recognition", server.grpc_url, peak.concurrency, input_data=data,
+                            extra=["--measurement-mode", "count_windows", "--measurement-request-count",
+                                   str(2 * peak.concurrency + 2)]).throughput * CLIP_SECONDS)
+             for _ in range(PAIRS)]
+    ratio = statistics.median(served / local for local, served in pairs)
 
     clips = after["audio_features"][0] - before["audio_features"][0]
     per_clip = {m: (after[m][1] - before[m][1]) / max(clips, 1) for m in SPEECH_MODELS}
     bls = per_clip["whisper_decode"] - per_clip["whisper_encoder"] - per_clip["whisper_decoder"]
-    best_batch = max(baseline, key=lambda b: baseline[b]["audio_per_s"])
     best = baseline[best_batch]
-    peak = max(rows, key=lambda r: r.throughput)
-    ratio = peak.throughput * CLIP_SECONDS / best["audio_per_s"]
     ms = lambda s: s * 1000  # noqa: E731
 
     lines = [
@@ -137,9 +146,12 @@ def run(server) -> str:
         markdown_table(["in-process batch", "audio s per s", "p50 s per batch", "RTF (p50)"],
                        [[b, v["audio_per_s"], v["p50_s"], v["p50_s"] / CLIP_SECONDS] for b, v in baseline.items()]),
         "",
-        f"**Ratio at saturation:** Triton {peak.throughput * CLIP_SECONDS:.2f} audio s/s (concurrency "
-        f"{peak.concurrency}) / in-process {best['audio_per_s']:.2f} audio s/s (batch {best_batch}) = "
-        f"**{ratio:.0%}** (target ≥ 90%).",
+        f"Back-to-back pairs (in-process batch {best_batch}, then Triton at concurrency {peak.concurrency}):",
+        "",
+        markdown_table(["pair", "in-process audio s per s", "Triton audio s per s", "ratio"],
+                       [[i + 1, local, served, f"{served / local:.0%}"] for i, (local, served) in enumerate(pairs)]),
+        "",
+        f"**Ratio at saturation (median of {PAIRS} pairs): {ratio:.0%}** (target ≥ 90%).",
         "",
         "### Where the time goes (ms per 10 s clip)",
         "",
