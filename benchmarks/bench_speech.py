@@ -123,6 +123,13 @@ def run(server) -> str:
                                    str(2 * peak.concurrency + 2)]).throughput * CLIP_SECONDS)
              for _ in range(PAIRS)]
     ratio = statistics.median(served / local for local, served in pairs)
+    # Latency of one clip alone: in-process batch 1 p50, then Triton concurrency 1 p50.
+    latency_pairs = [(in_process(repository, wav, 1)["p50_s"] * 1000,
+                      perf_analyzer("speech_recognition", server.grpc_url, 1, input_data=data,
+                                    extra=["--measurement-mode", "count_windows",
+                                           "--measurement-request-count", "4"]).p50_ms)
+                     for _ in range(PAIRS)]
+    added_ms = statistics.median(served - local for local, served in latency_pairs)
 
     clips = after["audio_features"][0] - before["audio_features"][0]
     per_clip = {m: (after[m][1] - before[m][1]) / max(clips, 1) for m in SPEECH_MODELS}
@@ -152,6 +159,14 @@ def run(server) -> str:
                        [[i + 1, local, served, f"{served / local:.0%}"] for i, (local, served) in enumerate(pairs)]),
         "",
         f"**Ratio at saturation (median of {PAIRS} pairs): {ratio:.0%}** (target ≥ 90%).",
+        "",
+        "One clip alone, back-to-back pairs (in-process batch 1 p50, then Triton concurrency 1 p50):",
+        "",
+        markdown_table(["pair", "in-process p50 ms", "Triton p50 ms", "added ms"],
+                       [[i + 1, local, served, served - local] for i, (local, served) in enumerate(latency_pairs)]),
+        "",
+        f"**Added p50 latency per clip (median of {PAIRS} pairs): {added_ms:+.0f} ms** "
+        f"({added_ms / 1000 / CLIP_SECONDS:+.3f} RTF).",
         "",
         "### Where the time goes (ms per 10 s clip)",
         "",
