@@ -30,7 +30,7 @@ def test_rows_are_original_row_numbers_and_shrink_for_good():
     # later calls name original rows again; the same set reuses the gathered copy
     assert cache.resolve("slot", {}, rows=[0, 2, 4])["k"] is cut["k"]
     np.testing.assert_array_equal(cache.resolve("slot", {}, rows=[4])["v"], arrays(5)["v"][[4]])
-    with pytest.raises(InputError, match="not an ascending subset"):
+    with pytest.raises(InputError, match="not a subset"):
         cache.resolve("slot", {}, rows=[2])  # left earlier
 
 
@@ -76,3 +76,20 @@ def test_parse_rows():
     assert parse_rows("0, 2,5") == [0, 2, 5]
     with pytest.raises(InputError, match="comma-separated integers"):
         parse_rows("0,x")
+
+
+def test_a_resend_names_the_callers_rows():
+    """A caller that sends the inputs again mid-batch names the rows they are (its window ids)."""
+    cache = InputCache(["k", "v"])
+    again = arrays(5)
+    cache.resolve("slot", {n: a[[1, 3]] for n, a in again.items()}, rows=[1, 3])
+    np.testing.assert_array_equal(cache.resolve("slot", {}, rows=[3])["k"], again["k"][[3]])
+    with pytest.raises(InputError, match="2 rows named for 3 rows sent"):
+        cache.resolve("slot", arrays(3), rows=[0, 1])
+
+
+def test_no_entries_means_every_later_call_misses():
+    cache = InputCache(["k", "v"], max_entries=0)
+    assert cache.resolve("slot", arrays(2))["k"].shape == (2, 3)  # this call still gets them
+    with pytest.raises(InputError, match="is not cached here"):
+        cache.resolve("slot", {})

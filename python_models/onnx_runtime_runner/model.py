@@ -4,7 +4,8 @@ The builder generates this model's config from the compute model's description.
 
 Config parameter ``cached_inputs`` (comma-separated, optional): inputs a BLS caller may send once
 with the request parameter ``input_cache_key`` and then omit, naming the key (and, with
-``input_cache_rows``, the rows still wanted); see ``triton_pipelines.onnx_runner.InputCache``."""
+``input_cache_rows``, the rows still wanted); ``input_cache_entries`` (default 8) bounds the keys
+kept. See ``triton_pipelines.onnx_runner.InputCache``."""
 
 import json
 from pathlib import Path

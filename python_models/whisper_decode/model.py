@@ -16,6 +16,7 @@ import triton_python_backend_utils as pb_utils
 
 from triton_pipelines.backend import error_response, model_parameters
 from triton_pipelines.errors import InputError
+from triton_pipelines.onnx_runner import NOT_CACHED
 from triton_pipelines.speech import (GreedyBatch, WhisperTokenizer, cross_names, group_windows, join_transcript,
                                      plan_request, suppress_mask)
 
@@ -106,25 +107,34 @@ class TritonPythonModel:
         _, heads, _, head_dim = cross["cross_value_0"].shape()
         # Zero-length self-attention cache on the first step: [rows, 2 * layers, heads, 0, head_dim].
         past = pb_utils.Tensor("past_self_kv", np.zeros((len(prompts), len(cross), heads, 0, head_dim), np.float32))
+        step_cross = list(cross.values())  # first step: the tensors themselves (a caching decoder stores them)
         cache = {} if self.cross_cache_key is None else {"input_cache_key": self.cross_cache_key}
-        step_cross = list(cross.values())  # first step: the tensors themselves (stored by a caching decoder)
         while not state.done:
             ids = pb_utils.Tensor("input_ids", state.next_ids)
-            outputs = self.infer(self.decoder_model, [ids, past, *step_cross], ["logits", "present_self_kv"],
-                                 cpu_outputs=True, parameters=cache)
+            try:
+                outputs = self.step(ids, past, step_cross, cache)
+            except BlsError as error:
+                if not cache or NOT_CACHED not in str(error):
+                    raise
+                # Another decoder instance (or an evicted slot): send the running windows' K/V again.
+                cache["input_cache_rows"] = ",".join(str(window) for window in state.active)
+                outputs = self.step(ids, past, [pb_utils.Tensor(name, np.ascontiguousarray(t.as_numpy()[state.active]))
+                                                for name, t in cross.items()], cache)
             rows = state.advance(outputs["logits"].as_numpy())
             present = outputs["present_self_kv"].as_numpy()
-            if cache:
-                step_cross = []
-                if rows is not None:  # the decoder cuts its cached copy to the running windows
-                    cache["input_cache_rows"] = ",".join(str(window) for window in state.active)
             if rows is not None:
                 present = present[rows]
-                if not cache:
-                    step_cross = [pb_utils.Tensor(name, np.ascontiguousarray(t.as_numpy()[rows]))
-                                  for name, t in zip(cross, step_cross)]
+            if cache:  # later steps name the decoder's copy, cut to the windows still running
+                step_cross = []
+                cache["input_cache_rows"] = ",".join(str(window) for window in state.active)
+            elif rows is not None:
+                step_cross = [pb_utils.Tensor(t.name(), np.ascontiguousarray(t.as_numpy()[rows])) for t in step_cross]
             past = pb_utils.Tensor("past_self_kv", present)
         return state.tokens
+
+    def step(self, ids, past, cross, cache):
+        return self.infer(self.decoder_model, [ids, past, *cross], ["logits", "present_self_kv"],
+                          cpu_outputs=True, parameters=cache)
 
     def encode(self, features):
         """One BLS call per encoder batch → cross K/V tensors (the responses' own objects when one

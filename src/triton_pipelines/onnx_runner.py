@@ -75,6 +75,11 @@ class OnnxBatchRunner:
         return results
 
 
+# In the error for a key this model instance does not hold (another instance, or evicted): a
+# caller that sees it sends the inputs again.
+NOT_CACHED = "is not cached here"
+
+
 class InputCache:
     """Inputs a caller sends once and then names by key, for the embedded target's compute models.
 
@@ -82,7 +87,9 @@ class InputCache:
     callee's stub (both Python-backend processes). For the Whisper decoder that is the cross-attention
     K/V (tiny: 18 MB per window) on every greedy step, for tensors that do not change between steps.
     With a cache, the first step carries them with a key; later steps carry only the key, plus the
-    rows still running (original row numbers, a subset of the stored ones, ascending).
+    rows still running (the caller's row numbers, a subset of the stored ones, ascending).
+    The cache belongs to one model instance: with several, a step may reach one that does not hold
+    the key, and the caller sends the inputs again (``NOT_CACHED``).
 
     A key names a caller's slot, not one call: storing under a key replaces what was there, so a
     caller that decodes one batch at a time holds at most one entry. At most ``max_entries`` keys
@@ -98,31 +105,34 @@ class InputCache:
 
     def resolve(self, key: str, given: Mapping[str, np.ndarray], rows: Sequence[int] | None = None
                 ) -> dict[str, np.ndarray]:
-        """The cached inputs for this call: ``given`` (all cached names present) is stored under
-        ``key`` and returned; otherwise the stored arrays for ``key``, cut to ``rows``. Raises
-        InputError for a partial set, an unknown key or rows that were not stored."""
+        """The cached inputs for this call. With ``given`` (all cached names present): store them
+        under ``key`` (``rows``: the caller's numbers for their rows, default 0..n-1) and return
+        them. Without: the stored arrays for ``key``, cut to ``rows``. Raises InputError for a
+        partial set, an unknown key (message contains ``NOT_CACHED``) or rows that were not stored."""
+        wanted = None if rows is None else np.asarray(rows, dtype=np.int64)
+        if wanted is not None and (wanted.size == 0 or np.any(np.diff(wanted) <= 0)):
+            raise InputError(f"input cache key {key!r}: rows {wanted.tolist()} are not ascending and non-empty")
         present = [name for name in self.names if name in given]
         if present:
             if len(present) != len(self.names):
                 missing = sorted(set(self.names) - set(present))
                 raise InputError(f"input cache key {key!r}: send all cached inputs or none; missing {missing}")
+            count = len(given[self.names[0]])
+            if wanted is not None and len(wanted) != count:
+                raise InputError(f"input cache key {key!r}: {len(wanted)} rows named for {count} rows sent")
             self._entries.pop(key, None)  # free the slot's previous batch before copying this one
             arrays = {name: np.array(given[name], copy=True) for name in self.names}
-            stored_rows = np.arange(len(arrays[self.names[0]]))
-            self._store(key, stored_rows, arrays)
-        elif key in self._entries:
-            stored_rows, arrays = self._entries.pop(key)
-            self._entries[key] = (stored_rows, arrays)  # most recently used last
-        else:
-            raise InputError(f"input cache key {key!r} is not cached: send {list(self.names)} with it first")
-        if rows is None:
+            self._store(key, np.arange(count) if wanted is None else wanted, arrays)
             return arrays
-        wanted = np.asarray(rows, dtype=np.int64)
-        if len(wanted) == len(stored_rows) and np.array_equal(wanted, stored_rows):
+        if key not in self._entries:
+            raise InputError(f"input cache key {key!r} {NOT_CACHED}: send {list(self.names)} with it first")
+        stored_rows, arrays = self._entries.pop(key)
+        self._entries[key] = (stored_rows, arrays)  # most recently used last
+        if wanted is None or (len(wanted) == len(stored_rows) and np.array_equal(wanted, stored_rows)):
             return arrays
-        if wanted.size == 0 or np.any(np.diff(wanted) <= 0) or not np.isin(wanted, stored_rows).all():
-            raise InputError(f"input cache key {key!r}: rows {wanted.tolist()} are not an ascending "
-                             f"subset of the cached rows {stored_rows.tolist()}")
+        if not np.isin(wanted, stored_rows).all():
+            raise InputError(f"input cache key {key!r}: rows {wanted.tolist()} are not a subset of "
+                             f"the cached rows {stored_rows.tolist()}")
         positions = np.searchsorted(stored_rows, wanted)
         # Finished rows leave for good: keep only the running ones (the gather happens once).
         arrays = {name: np.ascontiguousarray(value[positions]) for name, value in arrays.items()}
