@@ -39,9 +39,12 @@ $(BENCH_INSTALLED): $(INSTALLED) requirements-bench.txt
 	$(PY) -m pip install --quiet -r requirements-bench.txt
 	touch $@
 
+# Its own repository (with bert-base): building model_repository/ with and without
+# --with-bert-base in turn would delete and re-export bert-base every time.
+BENCH_REPOSITORY := .bench/model_repository
 bench: $(BENCH_INSTALLED)
-	$(PY) -m repo_builder --target embedded --with-bert-base $(BUILD_FLAGS)
-	$(PY) -m benchmarks
+	$(PY) -m repo_builder --target embedded --output $(BENCH_REPOSITORY) --with-bert-base $(BUILD_FLAGS)
+	BENCH_MODEL_REPOSITORY=$(BENCH_REPOSITORY) $(PY) -m benchmarks
 
 clean:
 	rm -rf $(VENV) .cache .bench model_repository/*/

@@ -1,5 +1,6 @@
 """python -m benchmarks [NAME ...]: run the named benchmarks (default: all) against one embedded
-server and rewrite their sections of docs/benchmarks.md (other sections are kept)."""
+server and rewrite their sections of docs/benchmarks.md (other sections are kept). The server
+serves $BENCH_MODEL_REPOSITORY (``make bench``: .bench/model_repository), else model_repository/."""
 
 from __future__ import annotations
 
@@ -56,7 +57,8 @@ def main(argv: list[str]) -> int:
     if unknown:
         print(f"unknown benchmarks {unknown}; known: {BENCHMARKS}", file=sys.stderr)
         return 2
-    server = start_on_free_ports(ROOT / "model_repository", ROOT / ".bench" / "server.log")
+    repository = Path(os.environ.get("BENCH_MODEL_REPOSITORY", ROOT / "model_repository"))
+    server = start_on_free_ports(repository, ROOT / ".bench" / "server.log")
     sections = {}
     try:
         for name in names:

@@ -18,7 +18,7 @@ from pathlib import Path
 from triton_pipelines.client import TritonClient, text_tensor
 from triton_pipelines.launcher import start_on_free_ports
 
-from .bench_text import corpus
+from .bench_text import corpus, text_input_data
 from .perf import BENCH_DIR, markdown_table, perf_analyzer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,12 +33,6 @@ def router_input_data(task: str, texts: list[str], latency_class: str) -> Path:
         {"task": {"content": [task], "shape": [1]},
          "payload": {"content": [json.dumps({"text": t})], "shape": [1]},
          "latency_class": {"content": [latency_class], "shape": [1]}} for t in texts]}))
-    return path
-
-
-def text_input_data(texts: list[str]) -> Path:
-    path = BENCH_DIR / "router_text_inputs.json"
-    path.write_text(json.dumps({"data": [{"text": {"content": [t], "shape": [1]}} for t in texts]}))
     return path
 
 

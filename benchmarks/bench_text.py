@@ -7,13 +7,13 @@ import copy
 import json
 import statistics
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
 
+from triton_pipelines.client import TritonClient
 from triton_pipelines.onnx_runner import OnnxBatchRunner
-from triton_pipelines.text import TextTokenizer, mean_pool_normalize, parse_buckets
+from triton_pipelines.text import TextTokenizer, mean_pool_normalize
 
 from .perf import BENCH_DIR, markdown_table, perf_analyzer
 
@@ -68,21 +68,11 @@ def token_input_data(repository: Path, texts: list[str], length: int) -> Path:
     return path
 
 
-def load_with_config(server, model: str, config: dict | None) -> None:
-    """Reload a model, optionally with a config override (Triton's model-load API)."""
-    body = {"parameters": {"config": json.dumps(config)}} if config else {}
-    request = urllib.request.Request(f"http://{server.http_url}/v2/repository/models/{model}/load",
-                                     data=json.dumps(body).encode(), method="POST")
-    urllib.request.urlopen(request, timeout=300).read()
-
-
-def model_config(server, model: str) -> dict:
-    return json.loads(urllib.request.urlopen(f"http://{server.http_url}/v2/models/{model}/config").read())
-
-
 def length_strategies(server, data: Path) -> list[list]:
-    """Same traffic at concurrency 16 under three ways to batch mixed lengths."""
-    tokenizer, encoder = model_config(server, "text_tokenizer"), model_config(server, "text_encoder")
+    """Same traffic at concurrency 16 under three ways to batch mixed lengths, each loaded by a
+    config override (Triton's model-load API); the served configs are loaded back afterwards."""
+    client = TritonClient("http", server.http_url).client
+    tokenizer, encoder = client.get_model_config("text_tokenizer"), client.get_model_config("text_encoder")
     default_buckets = tokenizer["parameters"]["length_buckets"]["string_value"]
 
     def with_buckets(value):
@@ -93,23 +83,27 @@ def length_strategies(server, data: Path) -> list[list]:
     ragged_encoder = copy.deepcopy(encoder)
     for tensor in ragged_encoder["input"]:
         tensor["allow_ragged_batch"] = True
+
+    def load(tokenizer_config, encoder_config):
+        # A load without a config would keep an earlier override: always name the config.
+        client.load_model("text_tokenizer", config=json.dumps(tokenizer_config))
+        client.load_model("text_encoder", config=json.dumps(encoder_config))
+        client.load_model("text_embedding")
+
     strategies = [
-        (f"length buckets ({default_buckets}) [default]", None, None),
-        ("pad every request to 256", with_buckets("256"), None),
+        (f"length buckets ({default_buckets}) [default]", tokenizer, encoder),
+        ("pad every request to 256", with_buckets("256"), encoder),
         ("ragged batching (exact lengths, padded per batch)", with_buckets("none"), ragged_encoder),
     ]
     rows = []
     try:
-        for label, tokenizer_override, encoder_override in strategies:
-            load_with_config(server, "text_tokenizer", tokenizer_override)
-            load_with_config(server, "text_encoder", encoder_override)
-            load_with_config(server, "text_embedding", None)
+        for label, tokenizer_config, encoder_config in strategies:
+            load(tokenizer_config, encoder_config)
             row = perf_analyzer("text_embedding", server.grpc_url, 16, input_data=data)
             rows.append([label, row.throughput, row.p50_ms, row.p99_ms])
     finally:
-        for model in ("text_tokenizer", "text_encoder", "text_embedding"):
-            load_with_config(server, model, None)
-    assert parse_buckets(default_buckets)
+        load(tokenizer, encoder)
+        client.close()
     return rows
 
 

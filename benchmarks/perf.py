@@ -48,17 +48,19 @@ def perf_analyzer(model: str, url: str, concurrency: int, input_data: Path | str
     command += extra or []
     # Shared 2-core machines are noisy: accept a looser stability criterion before giving up, and
     # say in the report which one a number was measured with.
-    for stability, window in ((25, measurement_ms), (60, measurement_ms * 2)):
-        completed = subprocess.run(
-            command + ["-p", str(window), "--max-trials", "8", "--stability-percentage", str(stability)],
-            env=perf_analyzer_env(), capture_output=True, text=True)
-        if completed.returncode == 0 and report.stat().st_size:
-            break
-    else:
-        raise RuntimeError(f"perf_analyzer failed:\n{completed.stdout[-3000:]}\n{completed.stderr[-3000:]}")
-    with open(report) as handle:
-        row = next(csv.DictReader(handle))
-    report.unlink()
+    try:
+        for stability, window in ((25, measurement_ms), (60, measurement_ms * 2)):
+            completed = subprocess.run(
+                command + ["-p", str(window), "--max-trials", "8", "--stability-percentage", str(stability)],
+                env=perf_analyzer_env(), capture_output=True, text=True)
+            if completed.returncode == 0 and report.stat().st_size:
+                break
+        else:
+            raise RuntimeError(f"perf_analyzer failed:\n{completed.stdout[-3000:]}\n{completed.stderr[-3000:]}")
+        with open(report) as handle:
+            row = next(csv.DictReader(handle))
+    finally:
+        report.unlink(missing_ok=True)
     us = lambda key: float(row.get(key) or 0) / 1000.0  # noqa: E731 - perf_analyzer reports µs
     return PerfRow(
         concurrency=concurrency,

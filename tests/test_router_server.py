@@ -8,7 +8,6 @@ from __future__ import annotations
 import base64
 import json
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 

@@ -56,34 +56,36 @@ class ComputeModel:
     outputs: tuple[TensorSpec, ...]
     max_batch_size: int
     export_onnx: Callable[[Path], None] = field(compare=False, repr=False)
-    # Identity of the architecture and weights: part of the content hash that decides re-export.
+    # Identity of the architecture and weights: with the name and tensors, the content hash that
+    # decides re-export (``content_hash``); every other field only changes configs.
     source_key: str = ""
     preferred_batch_sizes: tuple[int, ...] = ()
     max_queue_delay_microseconds: int = 0
     embedded_cpu_threads: int = 2
     gpu_instances: int = 1
-    # gpu target only, not part of the export hash: one of GPU_BACKENDS, and the batch size the
-    # TensorRT optimization profile is tuned for (0: max_batch_size).
-    gpu_backend: str = field(default="onnxruntime_onnx", repr=False)
-    trt_opt_batch_size: int = field(default=0, repr=False)
+    # gpu target only: one of GPU_BACKENDS, and the batch size the TensorRT optimization profile
+    # is tuned for (0: max_batch_size).
+    gpu_backend: str = "onnxruntime_onnx"
+    trt_opt_batch_size: int = 0
     preserve_ordering: bool = False
-    # Not part of the export hash (repr=False): they change configs, not the exported weights.
-    latency_variants: tuple[LatencyVariant, ...] = field(default=(BATCH_VARIANT,), repr=False)
+    latency_variants: tuple[LatencyVariant, ...] = (BATCH_VARIANT,)
     # Canary: versions loaded together (version_policy specific); version N > 1 is derived from
     # version 1's ONNX by the named build in ``variants.VERSION_BUILDS`` ((2, "int8_dynamic"), ...).
-    extra_versions: tuple[tuple[int, str], ...] = field(default=(), repr=False)
+    extra_versions: tuple[tuple[int, str], ...] = ()
     # embedded target only: inputs the ONNX Runtime runner keeps between a BLS caller's calls
     # (``onnx_runner.InputCache``). They stay in the config with their dims, marked optional, so a
     # caller may send them once and then name them by key instead of copying them on every call.
-    embedded_cached_inputs: tuple[str, ...] = field(default=(), repr=False)
+    embedded_cached_inputs: tuple[str, ...] = ()
 
     @property
     def versions(self) -> tuple[int, ...]:
         return (1,) + tuple(number for number, _ in self.extra_versions)
 
     def content_hash(self, *extra: str) -> str:
+        """What the exported ONNX depends on (not batching, backends or variants) plus ``extra``."""
+        identity = repr((self.name, self.inputs, self.outputs, self.max_batch_size, self.source_key))
         digest = hashlib.sha256()
-        for part in (repr(self), *extra):
+        for part in (identity, *extra):
             digest.update(part.encode())
             digest.update(b"\0")
         return digest.hexdigest()

@@ -5,7 +5,6 @@ fails its own request only."""
 
 from pathlib import Path
 
-import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from triton_pipelines.backend import error_response, model_parameters

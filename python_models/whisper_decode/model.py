@@ -30,6 +30,11 @@ def optional_input(request, name):
     return None if tensor is None else tensor.as_numpy()
 
 
+def gather(tensors, rows):
+    """The given rows of CPU tensors, as new tensors of the same names."""
+    return [pb_utils.Tensor(t.name(), np.ascontiguousarray(t.as_numpy()[rows])) for t in tensors]
+
+
 class TritonPythonModel:
     def initialize(self, args):
         p = model_parameters(args)
@@ -84,9 +89,11 @@ class TritonPythonModel:
 
     def decode(self, jobs):
         """→ per job, per item, per window: the generated token ids."""
-        features = np.concatenate([job.features for job in jobs])
-        prompts = np.concatenate([job.prompts for job in jobs])
-        bounds = np.concatenate([job.max_new_tokens for job in jobs])
+        # One request per batch (the common case at low load) needs no copy of its windows.
+        join = lambda arrays: arrays[0] if len(arrays) == 1 else np.concatenate(arrays)  # noqa: E731
+        features = join([job.features for job in jobs])
+        prompts = join([job.prompts for job in jobs])
+        bounds = join([job.max_new_tokens for job in jobs])
         window_tokens = []
         for start in range(0, len(features), self.decoder_batch):
             stop = start + self.decoder_batch
@@ -111,24 +118,23 @@ class TritonPythonModel:
         cache = {} if self.cross_cache_key is None else {"input_cache_key": self.cross_cache_key}
         while not state.done:
             ids = pb_utils.Tensor("input_ids", state.next_ids)
+            if cache:  # the windows still running: the decoder cuts its copy to them
+                cache["input_cache_rows"] = ",".join(str(window) for window in state.active)
             try:
                 outputs = self.step(ids, past, step_cross, cache)
             except BlsError as error:
                 if not cache or NOT_CACHED not in str(error):
                     raise
                 # Another decoder instance (or an evicted slot): send the running windows' K/V again.
-                cache["input_cache_rows"] = ",".join(str(window) for window in state.active)
-                outputs = self.step(ids, past, [pb_utils.Tensor(name, np.ascontiguousarray(t.as_numpy()[state.active]))
-                                                for name, t in cross.items()], cache)
+                outputs = self.step(ids, past, gather(cross.values(), state.active), cache)
             rows = state.advance(outputs["logits"].as_numpy())
             present = outputs["present_self_kv"].as_numpy()
             if rows is not None:
                 present = present[rows]
-            if cache:  # later steps name the decoder's copy, cut to the windows still running
+            if cache:
                 step_cross = []
-                cache["input_cache_rows"] = ",".join(str(window) for window in state.active)
             elif rows is not None:
-                step_cross = [pb_utils.Tensor(t.name(), np.ascontiguousarray(t.as_numpy()[rows])) for t in step_cross]
+                step_cross = gather(step_cross, rows)
             past = pb_utils.Tensor("past_self_kv", present)
         return state.tokens
 

@@ -351,7 +351,11 @@ def plan_request(tokenizer: WhisperTokenizer, features: np.ndarray, num_windows:
     languages = text_values(language, items, "language", default_language)
     tasks = text_values(task, items, "task", default_task)
     prompts = [tokenizer.prompt(lang, t) for lang, t in zip(languages, tasks)]
-    windows = np.concatenate([features[i, :counts[i]] for i in range(items)]).astype(np.float32, copy=False)
+    if all(count == padded for count in counts):  # no padding windows: a view, not a copy
+        windows = features.reshape(-1, *features.shape[2:])
+    else:
+        windows = np.concatenate([features[i, :counts[i]] for i in range(items)])
+    windows = windows.astype(np.float32, copy=False)
     per_window = lambda values: [v for i, v in enumerate(values) for _ in range(counts[i])]  # noqa: E731
     return DecodeJob(windows, np.array(per_window(prompts), dtype=np.int64),
                      np.array(per_window(bounds), dtype=np.int64), counts)

@@ -181,10 +181,13 @@ def transform(image, config: PreprocessConfig) -> np.ndarray:
     box = center_crop_box(width, height, config)
     crop = config.crop_size
     cropped = image.resize((crop, crop), Image.BILINEAR, box=box)
-    pixels = np.asarray(cropped, dtype=np.float32) / np.float32(255.0)
-    mean = np.asarray(config.mean, dtype=np.float32)
-    std = np.asarray(config.std, dtype=np.float32)
-    return np.ascontiguousarray(((pixels - mean) / std).transpose(2, 0, 1))
+    # One float32 array, normalized in place (the same operations in the same order), then one
+    # channel-first copy.
+    pixels = np.asarray(cropped, dtype=np.float32)
+    pixels /= np.float32(255.0)
+    pixels -= np.asarray(config.mean, dtype=np.float32)
+    pixels /= np.asarray(config.std, dtype=np.float32)
+    return np.ascontiguousarray(pixels.transpose(2, 0, 1))
 
 
 def preprocess_image(data: bytes, config: PreprocessConfig = PreprocessConfig(), name: str = "image",
@@ -256,8 +259,8 @@ class ImagePreprocessor:
                 result.outputs.append(InputError(f"input '{input_name}' is an empty batch: send at least one image"))
             elif error is not None:
                 result.outputs.append(error)
-            else:
-                result.outputs.append(np.stack(values))
+            else:  # one image per request is the common case: no stacking copy
+                result.outputs.append(values[0][None] if len(values) == 1 else np.stack(values))
         return result
 
     def close(self) -> None:
@@ -279,7 +282,7 @@ def softmax(logits: np.ndarray) -> np.ndarray:
 
 def top_k(probabilities: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """Indices (int64) and values of the k largest per row, descending; ties by lower class id."""
-    order = np.argsort(-probabilities, axis=-1, kind="stable")[..., :k].astype(np.int64)
+    order = np.argsort(-probabilities, axis=-1, kind="stable")[..., :k].astype(np.int64, copy=False)
     return order, np.take_along_axis(probabilities, order, axis=-1)
 
 
@@ -311,7 +314,7 @@ class Classifier:
             raise InputError(f"logits must be [n, {len(self.labels)}], got {list(logits.shape)}")
         k = min(k, len(self.labels))
         ids, scores = top_k(softmax(logits), k)
-        return self.labels[ids], scores.astype(np.float32), ids
+        return self.labels[ids], scores, ids  # softmax gives float32 scores
 
 
 def imagenet_labels() -> list[str]:
