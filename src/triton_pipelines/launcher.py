@@ -41,6 +41,9 @@ DEFAULT_METRICS_PORT = 8002
 # Python-backend shared memory: start at 16 MiB per stub and grow by 16 MiB, so an image batch
 # does not pay for many small region growths.
 PYTHON_BACKEND_CONFIG = ("shm-default-byte-size=16777216", "shm-growth-byte-size=16777216")
+# Latency summaries (nv_inference_{request,queue,compute_infer}_summary_us, quantiles 0.5 to 0.999):
+# 2.51 has no latency histograms for non-decoupled models, and p99 queue time needs one or the other.
+METRICS_CONFIG = ("summary_latencies=true",)
 
 
 def pytriton_dir() -> Path:
@@ -99,6 +102,7 @@ def server_command(options: ServerOptions) -> list[str]:
         f"--log-verbose={options.log_verbose}",
     ]
     command += [f"--backend-config=python,{setting}" for setting in PYTHON_BACKEND_CONFIG]
+    command += [f"--metrics-config={setting}" for setting in METRICS_CONFIG]
     return command + list(options.extra_args)
 
 
