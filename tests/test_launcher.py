@@ -12,7 +12,7 @@ import pytest
 
 from triton_pipelines import launcher
 from triton_pipelines.client import TritonClient, text_tensor
-from triton_pipelines.launcher import ServerOptions, server_command, start_on_free_ports
+from triton_pipelines.launcher import InternalPorts, ServerOptions, server_command, start_on_free_ports
 
 from .conftest import LOG_DIR, ensure_repository
 
@@ -27,11 +27,17 @@ def test_ports_come_from_flags_then_environment_then_defaults(monkeypatch):
     assert launcher._port(None, "TRITON_HTTP_PORT", 8000) == 8000
 
 
-def test_server_command_loads_every_model_in_explicit_mode():
+def test_server_command_loads_every_model_in_explicit_mode_on_loopback_with_restricted_control():
     command = server_command(ServerOptions(model_repository=Path("repo"), backend_dir=Path("b"),
-                                           http_port=1, grpc_port=2, metrics_port=3))
+                                           http_port=1, grpc_port=2, metrics_port=3),
+                             InternalPorts(11, 12, 13), key="k" * 20, shm_prefix="p_")
     assert "--model-control-mode=explicit" in command and "--load-model=*" in command
-    assert {"--http-port=1", "--grpc-port=2", "--metrics-port=3"} <= set(command)
+    # Triton itself listens on its own loopback ports; nginx owns the public ones (1, 2, 3).
+    assert {"--http-port=11", "--grpc-port=12", "--metrics-port=13", "--http-address=127.0.0.1",
+            "--grpc-address=127.0.0.1", "--metrics-address=127.0.0.1"} <= set(command)
+    apis = "model-repository,shared-memory,logging,trace:triton-control-key=" + "k" * 20
+    assert f"--http-restricted-api={apis}" in command and f"--grpc-restricted-protocol={apis}" in command
+    assert "--backend-config=python,shm-region-prefix-name=p_" in command
 
 
 def test_sigterm_lets_in_flight_requests_finish():
