@@ -23,6 +23,7 @@ class Reply:
     prompt_tokens: int | None = 11
     completion_tokens: int | None = 7
     raw: bytes | None = None  # sent as-is (with status), e.g. b"not json"
+    headers: dict | None = None  # extra response headers, e.g. {"Retry-After": "1"}
 
 
 @dataclass
@@ -38,6 +39,7 @@ class FakeGateway:
         self.queue: list[Reply] = []
         self.default = Reply()
         self.lock = threading.Lock()
+        self.wake = threading.Event()
         gateway = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -57,7 +59,7 @@ class FakeGateway:
                     gateway.requests.append(Recorded(self.path, {k.lower(): v for k, v in self.headers.items()}, body))
                     reply = gateway.queue.pop(0) if gateway.queue else gateway.default
                 if reply.delay_s:
-                    time.sleep(reply.delay_s)
+                    gateway.wake.wait(reply.delay_s)  # a slow or hung gateway; reset() ends the wait
                 if reply.raw is not None:
                     payload, content_type = reply.raw, "application/json"
                 elif reply.status != 200:
@@ -70,6 +72,8 @@ class FakeGateway:
                     self.send_response(reply.status)
                     self.send_header("Content-Type", content_type)
                     self.send_header("Content-Length", str(len(payload)))
+                    for name, value in (reply.headers or {}).items():
+                        self.send_header(name, value)
                     self.end_headers()
                     self.wfile.write(payload)
                 except (BrokenPipeError, ConnectionResetError):  # the client timed out and left
@@ -108,6 +112,8 @@ class FakeGateway:
     def reset(self) -> None:
         with self.lock:
             self.queue, self.requests, self.default = [], [], Reply()
+            self.wake.set()  # replies still waiting (a hung gateway) end now
+            self.wake = threading.Event()
 
     def start(self) -> "FakeGateway":
         self.thread.start()

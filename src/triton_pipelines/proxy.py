@@ -313,7 +313,9 @@ class ProxyProcess:
             user = pwd.getpwnam(config.run_as.split()[0])
             for name in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"):
                 os.chown(state / name, user.pw_uid, user.pw_gid)
-            os.chmod(state, 0o711)
+            # They must reach them: traverse (not list) this folder and its parent.
+            for folder in (state, state.parent):
+                os.chmod(folder, os.stat(folder).st_mode & 0o777 | 0o111)
         self.config_path = state / "nginx.conf"
         self.config_path.write_text(render_config(config))
         self.binary = nginx_binary()
