@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from .errors import InputError
+from .errors import INPUT_ERROR_PREFIX, InputError
 from .router_service import error_kind
 
 
@@ -19,12 +19,14 @@ def response_error(reason: str, message: str):
 
 
 def error_response(error: Exception):
-    """One request's error response: a bad input is INVALID_ARG, anything else INTERNAL (500).
-    The other requests of the batch are answered normally."""
+    """One request's error response: a bad input is INVALID_ARG with the message prefixed by
+    ``INPUT_ERROR_PREFIX``, anything else INTERNAL (500). The other requests of the batch are
+    answered normally."""
     import triton_python_backend_utils as pb_utils
 
-    return pb_utils.InferenceResponse(error=response_error(
-        "invalid_input" if isinstance(error, InputError) else "internal", str(error)))
+    if isinstance(error, InputError):
+        return pb_utils.InferenceResponse(error=response_error("invalid_input", INPUT_ERROR_PREFIX + str(error)))
+    return pb_utils.InferenceResponse(error=response_error("internal", str(error)))
 
 
 def model_parameters(args: dict) -> dict[str, str]:

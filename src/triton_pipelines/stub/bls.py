@@ -8,6 +8,7 @@ from typing import Sequence
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from ..errors import INPUT_ERROR_PREFIX
 from ..routing import RouteError
 
 # Messages of Triton's own refusals (2.51) that mean "not now" rather than "broken".
@@ -18,7 +19,7 @@ _UNAVAILABLE_MESSAGES = ("Exceeds maximum queue size", "Request timeout expired"
 def failure_reason(code, message: str, target: str) -> str:
     if f"Model '{target}' is not ready" in message or "unknown model" in message:
         return "not_loaded"
-    if code == pb_utils.TritonError.INVALID_ARG:
+    if code == pb_utils.TritonError.INVALID_ARG or INPUT_ERROR_PREFIX in message:
         return "upstream_invalid_input"
     if code == pb_utils.TritonError.UNAVAILABLE or any(m in message for m in _UNAVAILABLE_MESSAGES):
         return "upstream_unavailable"
