@@ -12,7 +12,15 @@ BUILD_FLAGS ?=
 
 install: $(INSTALLED)
 
+# Debian packages: nginx (the public front of the server, see src/triton_pipelines/proxy.py).
+SYSTEM_PACKAGES := nginx-core
+
 $(INSTALLED): requirements.txt requirements-nodeps.txt pyproject.toml
+	@missing=""; for package in $(SYSTEM_PACKAGES); do \
+	  dpkg -s $$package >/dev/null 2>&1 || missing="$$missing $$package"; done; \
+	if [ -n "$$missing" ]; then \
+	  apt-get install -y -q --no-install-recommends $$missing || \
+	  (apt-get update -q && apt-get install -y -q --no-install-recommends $$missing); fi
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch==2.13.0 first and pinned: an unpinned torch would pull a multi-GB CUDA build.

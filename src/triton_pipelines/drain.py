@@ -15,7 +15,7 @@ BLS in its config: ``parameters { key: "bls_dependencies" value { string_value: 
 from __future__ import annotations
 
 import time
-from typing import Mapping
+from typing import Iterable, Mapping
 
 from .control import ControlClient
 
@@ -43,8 +43,11 @@ def unload_layers(calls: Mapping[str, set[str]]) -> list[list[str]]:
     return layers
 
 
-def drain(control: ControlClient, timeout_s: float = 30.0, poll_s: float = 0.1) -> list[list[str]]:
-    """Unload every loaded model top-down; returns the layers. Bounded by ``timeout_s``."""
+def drain(control: ControlClient, timeout_s: float = 30.0, poll_s: float = 0.1,
+          never_unloads: Iterable[str] = ()) -> list[list[str]]:
+    """Unload every loaded model top-down; returns the layers. Bounded by ``timeout_s``.
+    ``never_unloads``: models known to hold an instance Triton will not release (their unload is
+    asked for, not waited for)."""
     deadline = time.monotonic() + timeout_s
     ready = sorted({m["name"] for m in control.index(ready_only=True)})
     calls = {name: dependencies(control.config(name)) for name in ready}
@@ -52,5 +55,5 @@ def drain(control: ControlClient, timeout_s: float = 30.0, poll_s: float = 0.1) 
     for layer in layers:
         for name in layer:
             control.unload(name)
-        control.wait_unloaded(layer, deadline, poll_s)
+        control.wait_unloaded(set(layer) - set(never_unloads), deadline, poll_s)
     return layers

@@ -188,7 +188,7 @@ class Launcher:
         self.control = ControlClient(f"{LOOPBACK}:{self.internal.http}", self.key)
         self.metrics = LauncherMetrics()
         self.watchdog = StubWatchdog(self.control, lambda: self.process.pid, self.metrics, self.log)
-        self.stopping = threading.Event()
+        self.stopping, self._stopped = threading.Event(), threading.Event()
         self._restarting = False
         self.process: subprocess.Popen | None = None
         self.status = StatusServer(
@@ -334,18 +334,26 @@ class Launcher:
 
     def stop(self, timeout_s: float | None = None) -> int:
         """Drain (unload models top-down, in-flight requests finish), then SIGTERM; then nginx."""
+        if self._stopped.is_set():
+            return self.process.returncode
         self.stopping.set()
         if self.supervisor.is_alive() and threading.current_thread() is not self.supervisor:
             self.supervisor.join(timeout=self.options.exit_timeout_secs + 60)
         if self.process.poll() is None:
+            leaked = set(self.watchdog.leaked)
             try:
-                drain(self.control, timeout_s=self.options.exit_timeout_secs)
+                drain(self.control, timeout_s=self.options.exit_timeout_secs, never_unloads=leaked)
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, RuntimeError) as error:
                 self.log(f"drain skipped: {error}")
             self.process.send_signal(signal.SIGTERM)
+            # Drained, nothing is in flight: Triton would only wait its exit timeout for an instance
+            # it never releases (a model whose stub died), so that wait is cut short.
+            wait_s = 5 if leaked else (timeout_s or self.options.exit_timeout_secs + 30)
             try:
-                self.process.wait(timeout=timeout_s or self.options.exit_timeout_secs + 30)
+                self.process.wait(timeout=wait_s)
             except subprocess.TimeoutExpired:
+                if leaked:
+                    self.log(f"stopping without waiting for the dead-stub instances of {sorted(leaked)}")
                 self.process.kill()
                 self.process.wait()
         remove_leftovers(self.process.pid, self.shm_prefix)
@@ -358,6 +366,7 @@ class Launcher:
         else:
             for name in ("control.key", "server.json"):
                 (self.state_dir / name).unlink(missing_ok=True)
+        self._stopped.set()
         return self.process.returncode
 
     def __enter__(self) -> "Launcher":

@@ -4,8 +4,12 @@ the status server behind the public ``/metrics`` and ``/v2/health/*``.
 - ``StubWatchdog``: Triton does not restart a Python-backend stub that died (OOM kill, a crash in a
   native library, ``kill -9``): the model stays READY while every request to it fails with "Stub
   process ... is not healthy", and ``load`` is a no-op for it. The watchdog compares the stubs each
-  READY model had with the live ones (``/proc``), and reloads a model that lost one (unload, wait,
-  load; ensembles that call it keep their READY state and work again once it is back).
+  READY model had with the live ones (``/proc``), and reloads a model that lost one with its own
+  config plus a new ``watchdog_generation`` parameter: a changed config makes Triton load new
+  instances and swap them in (no moment without the model, so ensembles calling it never see it
+  missing). Triton 2.51 never releases the old instance once its dead stub has failed a request
+  (its unload waits forever): those models are remembered as ``leaked`` so the stop does not
+  wait for them.
 - ``LauncherMetrics``: counters of those repairs and of server restarts, in Prometheus text format.
 - ``StatusServer``: a loopback HTTP server that nginx routes ``/metrics`` (Triton's metrics plus
   ours) and ``/v2/health/ready|live`` to. Ready means Triton is ready AND no stub is dead AND the
@@ -77,12 +81,21 @@ class StubWatchdog:
         # (model, version) → identities of the stubs it had while READY
         self.expected: dict[tuple[str, str], set[tuple[str, str, str]]] = {}
         self.dead: dict[str, list[str]] = {}  # model → dead instance names (until repaired)
-        self.repairing = False
+        self.leaked: set[str] = set()  # models with an instance Triton will never finish unloading
+        self.generation = 0
 
     def reset(self) -> None:
         """A new server process: nothing is expected of it yet."""
         self.expected.clear()
         self.dead.clear()
+        self.leaked.clear()
+
+    def reload(self, model: str) -> None:
+        """Load ``model`` again with its config and a new generation: new instances replace the old."""
+        config = self.control.config(model)
+        self.generation += 1
+        config.setdefault("parameters", {})["watchdog_generation"] = {"string_value": str(self.generation)}
+        self.control.load(model, config=config, timeout_s=self.reload_timeout_s)
 
     def _ready_versions(self) -> set[tuple[str, str]]:
         return {(m["name"], str(m.get("version", ""))) for m in self.control.index() if m.get("state") == "READY"}
@@ -125,16 +138,12 @@ class StubWatchdog:
             self.log(f"watchdog: Python stub(s) {', '.join(sorted(instances))} of model '{model}' died; "
                      f"reloading '{model}'")
             started = time.monotonic()
-            self.repairing = True
+            self.leaked.add(model)
             try:
-                self.control.unload(model)
-                self.control.wait_unloaded([model], time.monotonic() + self.reload_timeout_s)
-                self.control.load(model, timeout_s=self.reload_timeout_s)
+                self.reload(model)
             except (ControlError, OSError, urllib.error.URLError) as error:
                 self.log(f"watchdog: reloading '{model}' failed: {error}; will retry")
                 continue
-            finally:
-                self.repairing = False
             for key in [k for k in self.expected if k[0] == model]:
                 del self.expected[key]
             with self.metrics.lock:
@@ -192,8 +201,13 @@ class StatusServer:
         self.live = live
         self.problems = problems
         self.metrics = metrics
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
+        class Server(ThreadingHTTPServer):
+            daemon_threads = True
+
+            def handle_error(self, request, client_address):  # a caller that hung up: nothing to say
+                pass
+
+        self.httpd = Server(("127.0.0.1", 0), Handler)
         self.port = self.httpd.server_address[1]
         self.thread = threading.Thread(target=self.httpd.serve_forever, name="status-server", daemon=True)
         self.thread.start()
