@@ -8,7 +8,7 @@ BENCH_INSTALLED := $(VENV)/.bench-installed
 TARGET ?= embedded
 BUILD_FLAGS ?=
 
-.PHONY: install repository serve test bench clean
+.PHONY: install repository serve test bench soak clean
 
 install: $(INSTALLED)
 
@@ -53,6 +53,11 @@ BENCH_REPOSITORY := .bench/model_repository
 bench: $(BENCH_INSTALLED)
 	$(PY) -m repo_builder --target embedded --output $(BENCH_REPOSITORY) --with-bert-base $(BUILD_FLAGS)
 	BENCH_MODEL_REPOSITORY=$(BENCH_REPOSITORY) $(PY) -m benchmarks
+
+# Mixed traffic, hostile requests and injected faults for SOAK_SECONDS (default 600) → docs/reliability.md.
+SOAK_SECONDS ?= 600
+soak: repository
+	SOAK_SECONDS=$(SOAK_SECONDS) $(PY) -m benchmarks.soak
 
 clean:
 	rm -rf $(VENV) .cache .bench model_repository/*/

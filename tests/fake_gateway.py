@@ -38,6 +38,7 @@ class FakeGateway:
         self.requests: list[Recorded] = []
         self.queue: list[Reply] = []
         self.default = Reply()
+        self.rules: list[tuple[str, Reply]] = []  # (text in the messages, its reply): before the queue
         self.lock = threading.Lock()
         self.wake = threading.Event()
         gateway = self
@@ -57,7 +58,9 @@ class FakeGateway:
                     body = {"_raw": raw.decode("utf-8", "replace")}
                 with gateway.lock:
                     gateway.requests.append(Recorded(self.path, {k.lower(): v for k, v in self.headers.items()}, body))
-                    reply = gateway.queue.pop(0) if gateway.queue else gateway.default
+                    text = json.dumps(body.get("messages", ""))
+                    ruled = [reply for marker, reply in gateway.rules if marker in text]
+                    reply = ruled[0] if ruled else gateway.queue.pop(0) if gateway.queue else gateway.default
                 if reply.delay_s:
                     gateway.wake.wait(reply.delay_s)  # a slow or hung gateway; reset() ends the wait
                 if reply.raw is not None:
@@ -109,9 +112,14 @@ class FakeGateway:
         with self.lock:
             self.queue = list(replies)
 
+    def when(self, marker: str, reply: Reply) -> None:
+        """Requests whose messages contain ``marker`` get ``reply`` (every time)."""
+        with self.lock:
+            self.rules.append((marker, reply))
+
     def reset(self) -> None:
         with self.lock:
-            self.queue, self.requests, self.default = [], [], Reply()
+            self.queue, self.requests, self.default, self.rules = [], [], Reply(), []
             self.wake.set()  # replies still waiting (a hung gateway) end now
             self.wake = threading.Event()
 

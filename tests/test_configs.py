@@ -132,6 +132,16 @@ def test_compose_runs_the_launcher_on_the_containers_server_with_valid_flags():
     assert flags <= known, flags - known
 
 
+def test_container_serves_behind_nginx_as_a_non_root_user_on_every_address():
+    dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
+    serving = dockerfile.split(" AS builder")[0]
+    assert "nginx-core" in serving and "USER triton-server" in serving
+    command = compose()["services"]["triton"]["command"]
+    assert command[command.index("--listen-address") + 1] == "0.0.0.0"
+    healthcheck = compose()["services"]["triton"]["healthcheck"]["test"]
+    assert "localhost:8000/v2/health/ready" in healthcheck  # nginx → the launcher's readiness
+
+
 def test_compose_gives_the_drain_time_before_sigkill():
     seconds = int(compose()["services"]["triton"]["stop_grace_period"].rstrip("s"))
     assert seconds > ServerOptions(model_repository=Path("m")).exit_timeout_secs + 30

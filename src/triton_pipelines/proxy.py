@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -319,15 +320,22 @@ class ProxyProcess:
         self.config_path = state / "nginx.conf"
         self.config_path.write_text(render_config(config))
         self.binary = nginx_binary()
-        check = subprocess.run([self.binary, "-t", "-q", "-p", str(state), "-c", str(self.config_path)],
-                               capture_output=True, text=True)
+        check = subprocess.run([self.binary, *self._error_log(), "-t", "-q", "-p", str(state),
+                                "-c", str(self.config_path)], capture_output=True, text=True)
         if check.returncode != 0:
             raise RuntimeError(f"the generated nginx configuration is invalid: {check.stderr.strip()}")
         self.stdout, self.stderr = stdout, stderr
         self.process = self._start()
 
+    def _error_log(self) -> list[str]:
+        """``-e stderr`` (nginx >= 1.19.5): a non-root nginx would first try /var/log/nginx/error.log."""
+        version = subprocess.run([self.binary, "-v"], capture_output=True, text=True).stderr
+        found = re.search(r"nginx/(\d+)\.(\d+)\.(\d+)", version)
+        return ["-e", "stderr"] if found and tuple(map(int, found.groups())) >= (1, 19, 5) else []
+
     def _start(self) -> subprocess.Popen:
-        return subprocess.Popen([self.binary, "-p", str(self.config.state_dir), "-c", str(self.config_path)],
+        return subprocess.Popen([self.binary, *self._error_log(), "-p", str(self.config.state_dir),
+                                 "-c", str(self.config_path)],
                                 stdout=self.stdout, stderr=self.stderr, start_new_session=True,
                                 preexec_fn=terminate_with_parent)
 
