@@ -53,6 +53,13 @@ class Stub:
         return self.model_path.parent.name
 
     @property
+    def serves_requests(self) -> bool:
+        """False for the auto-complete stub: while loading a model (a new version, a reload) the
+        Python backend starts a short-lived stub named after the model itself, not an instance,
+        to read its ``auto_complete_config``; it exits by design once that is read."""
+        return self.instance != self.model
+
+    @property
     def identity(self) -> tuple[str, str, str]:
         """Stable across reloads (a new process of the same instance has a new pid)."""
         return self.model, self.version, self.instance

@@ -113,7 +113,7 @@ class StubWatchdog:
     def check(self) -> list[str]:
         """Find dead stubs, reload their models; returns the models reloaded."""
         ready = self._ready_versions()
-        stubs: list[Stub] = find_stubs(self.server_pid())
+        stubs: list[Stub] = [stub for stub in find_stubs(self.server_pid()) if stub.serves_requests]
         ready_again = self._ready_versions()  # a model that was reloaded meanwhile is not judged
         alive = {stub.identity for stub in stubs}
         for key in list(self.expected):
