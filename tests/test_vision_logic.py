@@ -325,8 +325,8 @@ def test_gpu_backend_configs_parse_as_model_config(backend):
             "trt_engine_cache_enable": "1", "trt_engine_cache_path": "/trt_cache"}
         assert [w.batch_size for w in reparsed.model_warmup] == [1, 32]
         assert all(w.inputs["pixel_values"].zero_data for w in reparsed.model_warmup)
-    else:
-        assert not reparsed.model_warmup
+    else:  # every compute model is warmed at batch 1 (compute.ComputeModel._add_warmup)
+        assert [w.batch_size for w in reparsed.model_warmup] == [1]
     # The embedded target does not depend on the gpu backend.
     assert resnet_description(backend).config("embedded") == resnet_description("onnxruntime_onnx").config("embedded")
 

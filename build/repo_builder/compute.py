@@ -100,6 +100,10 @@ class ComputeModel:
     # (``onnx_runner.InputCache``). They stay in the config with their dims, marked optional, so a
     # caller may send them once and then name them by key instead of copying them on every call.
     embedded_cached_inputs: tuple[str, ...] = ()
+    # The largest size of the variable (-1) dimensions this model is sent at the configured limits
+    # (a text encoder: the tokenizer's truncation length). The memory planner sizes activations
+    # with it; 0: not declared (the planner then needs --sequence-length MODEL=N).
+    max_sequence_length: int = 0
 
     @property
     def versions(self) -> tuple[int, ...]:
@@ -129,6 +133,7 @@ class ComputeModel:
         self.queue.apply(batching)
         if self.extra_versions:
             config.version_policy.specific.versions.extend(self.versions)
+        self._add_warmup(config, (1,))
         if target == "embedded":
             config.backend = "python"
             config.instance_group.add(kind=mc.ModelInstanceGroup.KIND_CPU, count=1)
@@ -163,13 +168,20 @@ class ComputeModel:
             # ORT-TRT builds an engine for the batch sizes it has seen and rebuilds when a larger one
             # arrives; warming up with 1 and max_batch_size builds the [1, max] profile at load time.
             if all(d > 0 for t in self.inputs for d in t.dims):
-                for batch_size in (1, self.max_batch_size):
-                    warmup = config.model_warmup.add(name=f"batch_{batch_size}", batch_size=batch_size)
-                    for tensor in self.inputs:
-                        data = warmup.inputs[tensor.name]
-                        data.data_type = mc.DataType.Value(tensor.data_type)
-                        data.dims.extend(tensor.dims)
-                        data.zero_data = True
+                self._add_warmup(config, (self.max_batch_size,))
+
+    def _add_warmup(self, config: mc.ModelConfig, batch_sizes: tuple[int, ...]) -> None:
+        """``model_warmup``: Triton runs these zero-filled requests on every instance while loading
+        it, before the version is READY, so the first real request does not pay for the runtime's
+        first run (ONNX Runtime's kernel and buffer set-up, TensorRT's engine build). A variable
+        (-1) dimension is warmed at size 1."""
+        for batch_size in batch_sizes:
+            warmup = config.model_warmup.add(name=f"batch_{batch_size}", batch_size=batch_size)
+            for tensor in self.inputs:
+                data = warmup.inputs[tensor.name]
+                data.data_type = mc.DataType.Value(tensor.data_type)
+                data.dims.extend(d if d > 0 else 1 for d in tensor.dims)
+                data.zero_data = True
 
     def trtexec_args(self) -> list[str]:
         """trtexec flags turning ``model.onnx`` into an FP16 ``model.plan`` whose optimization profile

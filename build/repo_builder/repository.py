@@ -62,6 +62,14 @@ def build_compute_model(model: ComputeModel, context: BuildContext) -> list[str]
     return [model.name] + build_latency_variants(model, context, ONNX_RUNNER)
 
 
+def compute_model_facts(model: ComputeModel) -> dict:
+    """What the rollout and the memory planner read from ``.built``: the versions built, the
+    latency-class variants serving the same files, the sequence bound of its -1 dimensions."""
+    return {"versions": list(model.versions),
+            "latency_variants": [f"{model.name}_{variant.suffix}" for variant in model.latency_variants],
+            "max_sequence_length": model.max_sequence_length}
+
+
 def _export(model: ComputeModel, model_dir: Path) -> None:
     (model_dir / "1").mkdir(parents=True)
     model.export_onnx(model_dir / "1" / "model.onnx")
@@ -117,7 +125,8 @@ def build_repository(context: BuildContext, parts: list[Part]) -> list[str]:
             shutil.rmtree(stale)
     rows = [row for part in parts for row in part.model_table(context)]
     (context.output / ".built").write_text(json.dumps(
-        {"target": context.target, "models": built, "model_table": rows}, indent=2))
+        {"target": context.target, "models": built, "model_table": rows,
+         "compute_models": {model.name: compute_model_facts(model) for model in compute_models}}, indent=2))
     log(f"{context.target} repository at {context.output}: {len(built)} models "
         f"in {time.monotonic() - started:.1f} s")
     return built

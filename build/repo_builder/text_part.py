@@ -11,10 +11,11 @@ from pathlib import Path
 from tritonclient.grpc import model_config_pb2 as mc
 
 from .compute import ComputeModel, TensorSpec
-from .files import hash_files, is_fresh, mark_fresh
+from .files import hash_files, is_fresh, mark_fresh, read_config
 from .part import PROJECT_ROOT, BuildContext, Part
 
 INTENTS_FILE = PROJECT_ROOT / "data" / "intents.yaml"
+TOKENIZER_CONFIG = PROJECT_ROOT / "python_models" / "text_tokenizer" / "config.pbtxt"
 MAX_BATCH_SIZE = 64
 # Tensors whose last dimension is the encoder's hidden size, written as 384 in the sources.
 EMBEDDING_TENSORS = {"last_hidden_state", "embedding"}
@@ -61,6 +62,12 @@ def export_bert(checkpoint: Path | None, onnx_path: Path, random_seed: int = 0) 
         )
 
 
+def tokenizer_max_length() -> int:
+    """The tokenizer's truncation length (its config's ``max_sequence_length``): the longest
+    sequence an encoder is sent."""
+    return int(read_config(TOKENIZER_CONFIG).parameters["max_sequence_length"].string_value)
+
+
 def encoder_model(name: str, checkpoint: Path | None, hidden_size: int, source_key: str,
                   random_weights: bool = False) -> ComputeModel:
     return ComputeModel(
@@ -70,6 +77,7 @@ def encoder_model(name: str, checkpoint: Path | None, hidden_size: int, source_k
         max_batch_size=MAX_BATCH_SIZE,
         export_onnx=lambda path: export_bert(None if random_weights else checkpoint, path),
         source_key=source_key,
+        max_sequence_length=tokenizer_max_length(),
     )
 
 

@@ -345,6 +345,10 @@ class Launcher:
                 drain(self.control, timeout_s=self.options.exit_timeout_secs, never_unloads=leaked)
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, RuntimeError) as error:
                 self.log(f"drain skipped: {error}")
+            # Drained: nothing is left to proxy. nginx's idle keep-alive connections to Triton's HTTP
+            # port would hold Triton's shutdown for its whole exit timeout ("Found N HTTP service
+            # connections"), so nginx goes first.
+            self.proxy.stop()
             self.process.send_signal(signal.SIGTERM)
             # Drained, nothing is in flight: Triton would only wait its exit timeout for an instance
             # it never releases (a model whose stub died), so that wait is cut short.

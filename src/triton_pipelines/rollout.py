@@ -1,0 +1,664 @@
+"""Move a compute model from one version to another on a running server, without failed requests.
+
+    python -m triton_pipelines.rollout status text_encoder
+    python -m triton_pipelines.rollout start text_encoder --to 2 --steps 10,50,100 --hold-s 60 --max-p99-ms 250
+    python -m triton_pipelines.rollout rollback text_encoder --to 1
+    python -m triton_pipelines.rollout replace text_encoder --version 1 --files new_weights/
+
+Everything goes through Triton's model-repository API with the control key (``ControlClient``),
+the router's run-time split file and the metrics endpoint. Triton 2.51 has no rollout strategy of
+its own (no ``model_update_strategy``, no ``--model-version-selector``); what it does have, and
+what this builds on (checked against the 2.51 server and its source):
+
+- ``load`` with a config whose ``version_policy`` adds a version loads that version beside the
+  serving ones (those are only "updated": no new instances, no pause); ``model_warmup`` runs on
+  the new instances before the version is READY. A policy without a version unloads it: requests
+  already holding it finish, new requests for it fail.
+- An ensemble request takes a handle on every step model when it starts, so a version retired
+  under it stays alive until it is done. Loading an ensemble with a changed step version loads the
+  new ensemble in the background and swaps it in; in-flight requests finish on the old one.
+- Ensembles downstream of a loaded model are re-checked: one pinned to a version that is no longer
+  loaded is UNLOADED (so retire a version only after nothing is pinned to it), the others are
+  reloaded in the background.
+- A ``load`` after a version's files changed reloads that version in the background and swaps it
+  in; the other versions are untouched.
+
+The rollout (``Rollout.move``), for a model and its latency-class variants (``text_encoder`` and
+``text_encoder_batch``, one "family"):
+
+1. load the target version beside the serving ones (Triton warms each instance by config), load the
+   ensembles named ``<ensemble>_v<N>`` for it, and send one request through each of them (an
+   ensemble cannot be warmed by config, and a version that cannot answer gets no traffic);
+2. shift the router's traffic in steps through its split file, holding each step while watching
+   the failures and the new version's p99 in the metrics; past a threshold it rolls back (or stops);
+3. re-pin the ensembles that direct callers use (``text_embedding``, ``text_embedding_batch``) to
+   the target version;
+4. wait until the old version gets no requests, then retire it (a version policy without it).
+
+The router sends version 1 to the plain ensembles and version N to ``<ensemble>_v<N>``, so the
+plain ensembles are re-pinned last when moving away from version 1 and first when moving to it:
+the router never labels a request with a version that did not serve it.
+
+Run-time state: what this changes lives in the server (config overrides) and in the split file. A
+restarted server serves the repository's built configs again (both canary versions, plain
+ensembles on version 1) with the split file as it was left: run ``start`` again to re-apply.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Mapping
+
+from .control import STATE_ENV, ControlClient, ControlError
+
+STABLE_VERSION = 1  # the version the plain ensembles pin at build time (routing.STABLE_VERSION)
+VERSIONED_ENSEMBLE = re.compile(r"^(?P<base>.+)_v(?P<version>[0-9]+)$")
+# Router failure reasons that are the caller's fault, not the new version's.
+CLIENT_REASONS = ("invalid_input", "upstream_invalid_input")
+EXIT_BREACH = 3
+
+
+# ----------------------------------------------------------------------------------- metrics
+METRIC_LINE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)")
+LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+@dataclass(frozen=True)
+class Metrics:
+    """One scrape of a Prometheus text endpoint: (name, labels, value) samples."""
+    samples: tuple[tuple[str, dict, float], ...]
+
+    @classmethod
+    def parse(cls, text: str) -> "Metrics":
+        samples = []
+        for line in text.splitlines():
+            match = METRIC_LINE.match(line)
+            if match:
+                try:
+                    value = float(match["value"])
+                except ValueError:
+                    continue
+                samples.append((match["name"], dict(LABEL.findall(match["labels"] or "")), value))
+        return cls(tuple(samples))
+
+    @classmethod
+    def scrape(cls, url: str, timeout_s: float = 10.0) -> "Metrics":
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            return cls.parse(response.read().decode())
+
+    def total(self, name: str, **labels: str | Iterable[str]) -> float:
+        """Sum of ``name`` over samples whose labels match (a label given as a collection matches
+        any of its values)."""
+        def matches(found: dict) -> bool:
+            for key, wanted in labels.items():
+                value = found.get(key)
+                if isinstance(wanted, str):
+                    if value != wanted:
+                        return False
+                elif value not in wanted:
+                    return False
+            return True
+        return sum(value for sample_name, found, value in self.samples if sample_name == name and matches(found))
+
+    def largest(self, name: str, **labels) -> float | None:
+        values = [value for sample_name, found, value in self.samples
+                  if sample_name == name and all(found.get(k) == v for k, v in labels.items())]
+        return max(values) if values else None
+
+
+# ----------------------------------------------------------------------------------- the family
+@dataclass(frozen=True)
+class Family:
+    """A compute model, its latency-class variants (same files, own configs) and the ensembles
+    that reach them, as the builder wrote them into the repository."""
+    model: str
+    members: tuple[str, ...]
+    # plain ensembles (direct callers) → the member whose version they pin
+    pinning_ensembles: Mapping[str, str]
+    # version → ensembles named ``<ensemble>_v<version>`` that reach the family (nested ones too)
+    versioned_ensembles: Mapping[int, tuple[str, ...]]
+    # router tasks whose canary is this model
+    canary_tasks: tuple[str, ...]
+    # versions the router accepts in its split (the route file's canaries)
+    router_versions: tuple[int, ...]
+
+    @classmethod
+    def from_repository(cls, repository: Path, model: str) -> "Family":
+        from google.protobuf import text_format
+        from tritonclient.grpc import model_config_pb2 as mc
+
+        built_file = repository / ".built"
+        if not built_file.exists():
+            raise RolloutError(f"{repository} is not a built repository (no .built): run `make repository`")
+        facts = json.loads(built_file.read_text()).get("compute_models", {}).get(model)
+        if facts is None:
+            raise RolloutError(f"{model} is not a compute model of {repository}")
+        members = (model, *facts["latency_variants"])
+        ensembles = {}
+        for path in sorted(repository.glob("*/config.pbtxt")):
+            config = text_format.Parse(path.read_text(), mc.ModelConfig())
+            if config.platform == "ensemble":
+                ensembles[config.name] = [(s.model_name, s.model_version) for s in config.ensemble_scheduling.step]
+
+        def reaches(name: str, seen: frozenset = frozenset()) -> bool:
+            return any(step in members or (step in ensembles and step not in seen and reaches(step, seen | {name}))
+                       for step, _ in ensembles[name])
+
+        pinning, versioned = {}, {}
+        for name, steps in ensembles.items():
+            if not reaches(name):
+                continue
+            match = VERSIONED_ENSEMBLE.match(name)
+            if match and match["base"] in ensembles:
+                versioned.setdefault(int(match["version"]), []).append(name)
+                continue
+            for step, version in steps:
+                if step in members and version > 0:
+                    pinning[name] = step
+        tasks, router_versions = (), (STABLE_VERSION,)
+        routes_file = repository / "router" / "1" / "routes.yaml"
+        if routes_file.exists():
+            import yaml
+
+            routes = yaml.safe_load(routes_file.read_text(encoding="utf-8")) or {}
+            tasks = tuple(sorted(t for t, spec in (routes.get("tasks") or {}).items() if spec.get("canary") == model))
+            declared = ((routes.get("canaries") or {}).get(model) or {}).get("versions") or {}
+            router_versions = (STABLE_VERSION, *sorted(int(v) for v in declared))
+        return cls(model, members, pinning, {v: tuple(sorted(n)) for v, n in versioned.items()}, tasks,
+                   router_versions)
+
+    def ensembles_serving(self, version: int) -> tuple[str, ...]:
+        """The ensembles a version's traffic goes through: ``<ensemble>_v<N>``, and for version 1
+        the plain ones (the router's targets for version 1)."""
+        if version == STABLE_VERSION:
+            return tuple(sorted(self.pinning_ensembles))
+        return self.versioned_ensembles.get(version, ())
+
+
+# ----------------------------------------------------------------------------------- gates
+@dataclass(frozen=True)
+class Gate:
+    """When a step's hold must end the rollout. Failures: the router's failures of the canary's
+    tasks (client errors excluded) plus Triton's failure counts of the family and its ensembles,
+    over the requests they served in the hold. p99: the target version's request time from
+    Triton's latency summary (a sliding 60 s window), judged once it served ``min_requests`` in
+    the hold (a single slow warm-up request must not decide)."""
+    max_failure_ratio: float = 0.0
+    max_p99_ms: float | None = None
+    max_p99_ratio: float | None = None  # target p99 / the old versions' p99
+    min_requests: int = 50
+
+
+@dataclass
+class StepReport:
+    share: float
+    requests: float = 0.0
+    failures: float = 0.0
+    target_requests: float = 0.0
+    p99_ms: float | None = None
+    old_p99_ms: float | None = None
+    breach: str = ""
+
+    def line(self) -> str:
+        p99 = "n/a" if self.p99_ms is None else f"{self.p99_ms:.1f} ms"
+        old = "" if self.old_p99_ms is None else f" (old {self.old_p99_ms:.1f} ms)"
+        return (f"{self.share:g}%: {self.requests:.0f} requests, {self.failures:.0f} failed, target served "
+                f"{self.target_requests:.0f}, p99 {p99}{old}" + (f"; BREACH: {self.breach}" if self.breach else ""))
+
+
+def judge(gate: Gate, report: StepReport) -> str:
+    """The breach a step's numbers show, or ``""``."""
+    if report.requests and report.failures / report.requests > gate.max_failure_ratio:
+        return f"{report.failures:.0f} of {report.requests:.0f} requests failed (limit {gate.max_failure_ratio:.2%})"
+    if report.failures and not report.requests:
+        return f"{report.failures:.0f} failures"
+    if report.p99_ms is None or report.target_requests < gate.min_requests:
+        return ""
+    if gate.max_p99_ms is not None and report.p99_ms > gate.max_p99_ms:
+        return f"p99 {report.p99_ms:.1f} ms over {gate.max_p99_ms:g} ms"
+    if gate.max_p99_ratio is not None and report.old_p99_ms and report.p99_ms > gate.max_p99_ratio * report.old_p99_ms:
+        return f"p99 {report.p99_ms:.1f} ms over {gate.max_p99_ratio:g} x the old {report.old_p99_ms:.1f} ms"
+    return ""
+
+
+class RolloutError(RuntimeError):
+    pass
+
+
+class Breach(RolloutError):
+    def __init__(self, message: str, steps: list[StepReport], rolled_back: bool):
+        super().__init__(message)
+        self.steps = steps
+        self.rolled_back = rolled_back
+
+
+# ----------------------------------------------------------------------------------- the rollout
+def default_split_file(repository: Path) -> Path:
+    """Where the router reads its split (``ROUTER_SPLIT_FILE`` or the repository's router folder)."""
+    return Path(os.environ.get("ROUTER_SPLIT_FILE") or repository / "router" / "splits.json")
+
+
+@dataclass
+class Rollout:
+    control: ControlClient
+    metrics_url: str
+    repository: Path
+    model: str
+    split_file: Path | None = None
+    log: Callable[[str], None] = lambda message: print(f"[rollout] {message}", flush=True)
+    poll_s: float = 1.0
+    # drain: the old version must see no new request for this long (and nothing pending)
+    quiet_s: float = 2.0
+    drain_timeout_s: float = 120.0
+    unload_timeout_s: float = 120.0
+    family: Family = field(init=False)
+
+    def __post_init__(self):
+        self.repository = Path(self.repository)
+        self.family = Family.from_repository(self.repository, self.model)
+        self.split_file = Path(self.split_file) if self.split_file else default_split_file(self.repository)
+
+    # ------------------------------------------------------------------ what the server serves
+    def _ready(self) -> dict[str, set[int]]:
+        ready: dict[str, set[int]] = {m: set() for m in self.family.members}
+        for entry in self.control.index():
+            if entry.get("name") in ready and entry.get("state") == "READY" and entry.get("version"):
+                ready[entry["name"]].add(int(entry["version"]))
+        return ready
+
+    def members(self) -> list[str]:
+        """The family's models this server serves (a server may load a subset of the repository)."""
+        served = [m for m, versions in self._ready().items() if versions]
+        if not served:
+            raise RolloutError(f"the server serves no version of {self.model}")
+        return served
+
+    def loaded_versions(self) -> set[int]:
+        """Versions READY for every served member of the family."""
+        ready = [versions for versions in self._ready().values() if versions]
+        return set.intersection(*ready) if ready else set()
+
+    def pinned_versions(self) -> dict[str, int]:
+        """Plain ensemble → the version it serves now (loaded ensembles only)."""
+        pins = {}
+        for ensemble, member in self.family.pinning_ensembles.items():
+            try:
+                config = self.control.config(ensemble)
+            except ControlError:
+                continue
+            for step in config.get("ensemble_scheduling", {}).get("step", []):
+                if step["model_name"] == member:
+                    pins[ensemble] = int(step.get("model_version", -1))
+        return pins
+
+    def current_version(self) -> int:
+        if not self.family.pinning_ensembles:
+            raise RolloutError(f"no ensemble pins a version of {self.model}: only a model with versions side by "
+                               f"side (canaries in data/routes.yaml) can be rolled out; `replace` works for any")
+        pins = set(self.pinned_versions().values())
+        if len(pins) != 1:
+            raise RolloutError(f"the plain ensembles of {self.model} pin different versions {self.pinned_versions()}: "
+                               f"run `rollback {self.model} --to N` to settle them")
+        return pins.pop()
+
+    def split(self) -> dict[int, float]:
+        """The router's shares for this model: the split file's, else the route file's default."""
+        try:
+            document = json.loads(self.split_file.read_text())
+            if self.model in document:
+                return {int(v): float(s) for v, s in document[self.model].items()}
+        except (FileNotFoundError, ValueError):
+            pass
+        routes_file = self.repository / "router" / "1" / "routes.yaml"
+        if routes_file.exists():
+            import yaml
+
+            canary = ((yaml.safe_load(routes_file.read_text()) or {}).get("canaries") or {}).get(self.model) or {}
+            if canary.get("split"):
+                return {int(v): float(s) for v, s in canary["split"].items()}
+        return {self.current_version(): 100.0}
+
+    def status(self) -> dict:
+        states = {}
+        for entry in self.control.index():
+            if entry.get("name") in self.family.members or any(
+                    entry.get("name") in names for names in self.family.versioned_ensembles.values()):
+                states.setdefault(entry["name"], {})[entry.get("version") or "-"] = entry.get("state") or "not loaded"
+        return {"model": self.model, "members": list(self.family.members), "loaded_versions": sorted(self.loaded_versions()),
+                "plain_ensembles": self.pinned_versions(), "router_split": self.split(),
+                "split_file": str(self.split_file), "router_tasks": list(self.family.canary_tasks), "states": states}
+
+    # ------------------------------------------------------------------ actions
+    def write_split(self, shares: Mapping[int, float]) -> None:
+        """Atomically: the router stats the file on every canary request and must never read half of it."""
+        try:
+            document = json.loads(self.split_file.read_text())
+            if not isinstance(document, dict):
+                document = {}
+        except (FileNotFoundError, ValueError):
+            document = {}
+        document[self.model] = {str(v): round(s, 6) for v, s in sorted(shares.items()) if s > 0}
+        self.split_file.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".splits-", dir=self.split_file.parent)
+        with os.fdopen(fd, "w") as handle:
+            json.dump(document, handle)
+        os.replace(tmp, self.split_file)
+
+    def set_versions(self, versions: set[int]) -> None:
+        """Load every member with exactly these versions (the server's own config otherwise)."""
+        for member in self.members():
+            config = self.control.config(member)
+            config["version_policy"] = {"specific": {"versions": sorted(versions)}}
+            self.control.load(member, config=config)
+
+    def load_ensembles(self, names: Iterable[str]) -> None:
+        states = self.control.states()
+        for name in names:
+            if states.get(name) != "READY":
+                self.control.load(name)
+
+    def pin(self, version: int) -> None:
+        """Re-pin the plain ensembles: Triton loads each changed ensemble in the background and
+        swaps it in; requests in flight finish on the old one (with their handles on the old version)."""
+        for ensemble, member in sorted(self.family.pinning_ensembles.items()):
+            config = self.control.config(ensemble)
+            steps = config.get("ensemble_scheduling", {}).get("step", [])
+            if all(int(s.get("model_version", -1)) == version for s in steps if s["model_name"] == member):
+                continue
+            for step in steps:
+                if step["model_name"] == member:
+                    step["model_version"] = version
+            self.control.load(ensemble, config=config)
+            self.log(f"{ensemble} now serves {member} version {version}")
+
+    def warm(self, version: int) -> None:
+        from .client import TritonClient
+        from .warmup import warm_pipelines
+
+        client = TritonClient("http", self.control.http_url)
+        try:
+            for warmed in warm_pipelines(client, self.control, self.family.ensembles_serving(version)):
+                self.log(f"warmed {warmed.model} end to end ({warmed.seconds * 1e3:.0f} ms)")
+        finally:
+            client.close()
+
+    def _served(self, metrics: Metrics, versions: Iterable[int]) -> float:
+        wanted = [str(v) for v in versions]
+        return sum(metrics.total(name, model=self.family.members, version=wanted)
+                   for name in ("nv_inference_request_success", "nv_inference_request_failure"))
+
+    def wait_drained(self, versions: set[int]) -> None:
+        """Until the versions got no request for ``quiet_s`` and nothing is pending on them."""
+        deadline = time.monotonic() + self.drain_timeout_s
+        last, quiet_since = None, time.monotonic()
+        while True:
+            metrics = Metrics.scrape(self.metrics_url)
+            served = self._served(metrics, versions)
+            pending = metrics.total("nv_inference_pending_request_count", model=self.family.members,
+                                    version=[str(v) for v in versions])
+            if served != last or pending:
+                last, quiet_since = served, time.monotonic()
+            elif time.monotonic() - quiet_since >= self.quiet_s:
+                return
+            if time.monotonic() > deadline:
+                self.log(f"version(s) {sorted(versions)} still get requests after {self.drain_timeout_s:g} s "
+                         f"(callers naming the version?); retiring anyway: requests in flight still finish")
+                return
+            time.sleep(min(self.poll_s, self.quiet_s / 2))
+
+    def wait_unloaded(self, versions: set[int]) -> None:
+        deadline = time.monotonic() + self.unload_timeout_s
+        while time.monotonic() < deadline:
+            busy = [(e["name"], e.get("version")) for e in self.control.index()
+                    if e.get("name") in self.family.members and e.get("version")
+                    and int(e["version"]) in versions and e.get("state") in ("READY", "UNLOADING")]
+            if not busy:
+                return
+            time.sleep(0.2)
+        self.log(f"version(s) {sorted(versions)} are still unloading after {self.unload_timeout_s:g} s")
+
+    def hold(self, share: float, target: int, sources: set[int], hold_s: float, gate: Gate) -> StepReport:
+        """Watch a step for ``hold_s``; ends early on a breach."""
+        report = StepReport(share)
+        start = Metrics.scrape(self.metrics_url)
+        ends = time.monotonic() + hold_s
+        while True:
+            time.sleep(max(0.0, min(self.poll_s, ends - time.monotonic())))
+            now = Metrics.scrape(self.metrics_url)
+            self._measure(report, start, now, target, sources)
+            report.breach = judge(gate, report)
+            if report.breach or time.monotonic() >= ends:
+                return report
+
+    def _measure(self, report: StepReport, start: Metrics, now: Metrics, target: int, sources: set[int]) -> None:
+        def delta(name, **labels):
+            return now.total(name, **labels) - start.total(name, **labels)
+
+        family = self.family
+        ensembles = sorted(set(family.pinning_ensembles) | {n for v in family.versioned_ensembles.values() for n in v})
+        tasks = family.canary_tasks
+        router_failures = (delta("router_failures_total", task=tasks)
+                           - sum(delta("router_failures_total", task=tasks, reason=r) for r in CLIENT_REASONS))
+        report.failures = (router_failures + delta("nv_inference_request_failure", model=ensembles)
+                           + delta("nv_inference_request_failure", model=family.members))
+        report.requests = (delta("router_requests_total", task=tasks)
+                           + delta("nv_inference_request_success", model=ensembles)
+                           + delta("nv_inference_request_failure", model=ensembles))
+        report.target_requests = self._served(now, [target]) - self._served(start, [target])
+        summary = "nv_inference_request_summary_us"
+        report.p99_ms = _ms(max((v for m in family.members for v in [now.largest(
+            summary, model=m, version=str(target), quantile="0.99")] if v is not None and v == v), default=None))
+        old = [v for m in family.members for s in sources
+               for v in [now.largest(summary, model=m, version=str(s), quantile="0.99")] if v is not None and v == v]
+        report.old_p99_ms = _ms(max(old, default=None))
+
+    def _check_target(self, version: int) -> None:
+        for member in self.family.members:
+            folder = self.repository / member / str(version)
+            if not folder.is_dir() or not any(folder.iterdir()):
+                raise RolloutError(f"{member} version {version} is not built ({folder} is missing): declare it "
+                                   f"under canaries in data/routes.yaml and run `make repository`")
+        if self.family.canary_tasks and version not in self.family.router_versions:
+            raise RolloutError(f"the router does not know {self.model} version {version} (its route file declares "
+                               f"{list(self.family.router_versions)}): declare it under canaries and rebuild")
+
+    def move(self, target: int, steps: Iterable[float] = (10, 50, 100), hold_s: float = 60.0,
+             gate: Gate = Gate(), on_breach: str = "rollback") -> list[StepReport]:
+        """Serve ``target`` instead of the versions serving now (see the module docstring).
+        On a breach: ``rollback`` moves everything back at once and raises ``Breach``; ``stop``
+        leaves the split where it was and raises ``Breach``."""
+        if on_breach not in ("rollback", "stop"):
+            raise ValueError("on_breach must be 'rollback' or 'stop'")
+        self._check_target(target)
+        steps = [float(s) for s in steps]
+        if not steps or steps[-1] != 100 or any(not 0 < s <= 100 for s in steps) or steps != sorted(steps):
+            raise RolloutError(f"steps must rise to 100 (percent of the router's traffic), got {steps}")
+        loaded, current, split = self.loaded_versions(), self.current_version(), self.split()
+        sources = ({v for v, share in split.items() if share > 0} | {current}) - {target}
+        self.log(f"{self.model}: serving {sorted(sources | ({target} if target in split else set()))}, "
+                 f"loaded {sorted(loaded)}, split {split}; moving to version {target}")
+        if target not in loaded:
+            self.log(f"loading {self.model} version {target} beside {sorted(loaded)} "
+                     f"({', '.join(self.family.members)}; warmed by config before READY)")
+            self.set_versions(loaded | {target})
+        self.load_ensembles(self.family.versioned_ensembles.get(target, ()))
+        if target == STABLE_VERSION:
+            self.pin(target)  # the router's version-1 targets are the plain ensembles
+        self.warm(target)
+        reports = []
+        remaining = {v: split.get(v, 0.0) for v in sources}
+        weights = remaining if sum(remaining.values()) > 0 else {v: 1.0 for v in sources}
+        for share in steps:
+            shares = {target: share} | {v: (100 - share) * w / sum(weights.values()) for v, w in weights.items()}
+            self.write_split(shares)
+            self.log(f"router split {({v: round(s, 2) for v, s in shares.items() if s > 0})}")
+            if hold_s > 0:
+                report = self.hold(share, target, sources, hold_s, gate)
+                reports.append(report)
+                self.log(report.line())
+                if report.breach:
+                    return self._breached(report, reports, sources, current, on_breach)
+        if target != STABLE_VERSION:
+            self.pin(target)
+        if sources:
+            self.log(f"waiting until version(s) {sorted(sources)} get no more requests")
+            self.wait_drained(sources)
+            remaining_versions = (self.loaded_versions() | {target}) - sources
+            self.log(f"retiring version(s) {sorted(sources)}: {self.model} now loads {sorted(remaining_versions)}")
+            self.set_versions(remaining_versions)
+            self.wait_unloaded(sources)
+        self.write_split({target: 100.0})
+        self.log(f"{self.model} version {target} serves all traffic")
+        return reports
+
+    def _breached(self, report: StepReport, reports: list[StepReport], sources: set[int], current: int,
+                  on_breach: str):
+        if on_breach == "stop":
+            raise Breach(f"stopped at {report.share:g}%: {report.breach} (the split stays; `rollback` or "
+                         f"`start` again)", reports, rolled_back=False)
+        back = current if current in sources or not sources else max(sources)
+        self.log(f"breach at {report.share:g}%: {report.breach}; rolling back to version {back}")
+        self.move(back, steps=(100,), hold_s=0)
+        raise Breach(f"rolled back to version {back} at {report.share:g}%: {report.breach}", reports, rolled_back=True)
+
+    # ------------------------------------------------------------------ same version, new files
+    def replace_files(self, version: int, files: Path) -> None:
+        """Put new files in a serving version's folder and reload it without a failed request.
+
+        Files are copied into a staging folder inside the version folder and renamed into place
+        (a load never sees half a file); the latency variants' folders hold symlinks to them, so
+        their version folder is touched (Triton decides what to reload by modification times,
+        and a symlink to a new file is not a modification). Then each member is loaded with its
+        own config named explicitly: Triton loads the changed version in the background and
+        swaps it in; the other versions and the ensembles keep serving (they are reloaded in the
+        background too). The version's pipelines are warmed end to end afterwards."""
+        version_dir = self.repository / self.model / str(version)
+        new_files = sorted(p for p in Path(files).iterdir() if p.is_file())
+        if not version_dir.is_dir():
+            raise RolloutError(f"{version_dir} does not exist: `replace` changes a serving version's files")
+        if not new_files:
+            raise RolloutError(f"{files} holds no files")
+        if version not in self.loaded_versions():
+            raise RolloutError(f"{self.model} version {version} is not loaded: put its files in place and use `start`")
+        self._check_onnx(new_files)
+        staging = Path(tempfile.mkdtemp(prefix=".incoming-", dir=version_dir))
+        try:
+            for path in new_files:
+                shutil.copy2(path, staging / path.name)
+                with open(staging / path.name, "rb") as handle:
+                    os.fsync(handle.fileno())
+            for path in new_files:
+                os.replace(staging / path.name, version_dir / path.name)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        for member in self.family.members[1:]:
+            os.utime(self.repository / member / str(version))
+        self.log(f"{', '.join(p.name for p in new_files)} in place in {version_dir}; reloading version {version}")
+        for member in self.members():
+            started = time.monotonic()
+            self.control.load(member, config=self.control.config(member))
+            self.log(f"{member} version {version} reloaded in {time.monotonic() - started:.1f} s")
+        pinned = {e for e, v in self.pinned_versions().items() if v == version}
+        self.load_ensembles(self.family.versioned_ensembles.get(version, ()))
+        from .client import TritonClient
+        from .warmup import warm_pipelines
+
+        client = TritonClient("http", self.control.http_url)
+        try:
+            warm_pipelines(client, self.control, sorted(pinned | set(self.family.versioned_ensembles.get(version, ()))))
+        finally:
+            client.close()
+
+    def _check_onnx(self, files: list[Path]) -> None:
+        """A new ``model.onnx`` must take and give the tensors the served config names."""
+        onnx_files = [p for p in files if p.name == "model.onnx"]
+        if not onnx_files:
+            return
+        import onnx
+
+        graph = onnx.load(str(onnx_files[0]), load_external_data=False).graph
+        config = self.control.config(self.model)
+        initializers = {i.name for i in graph.initializer}
+        have = ({i.name for i in graph.input} - initializers, {o.name for o in graph.output})
+        want = ({i["name"] for i in config.get("input", [])}, {o["name"] for o in config.get("output", [])})
+        if not want[0] <= have[0] or not want[1] <= have[1]:
+            raise RolloutError(f"{onnx_files[0]} has inputs {sorted(have[0])} and outputs {sorted(have[1])}; "
+                               f"{self.model} serves {sorted(want[0])} → {sorted(want[1])}")
+
+
+def _ms(microseconds: float | None) -> float | None:
+    return None if microseconds is None else microseconds / 1000.0
+
+
+# ----------------------------------------------------------------------------------- CLI
+def connect(state_dir: Path | None) -> tuple[ControlClient, str]:
+    """The running launcher's control endpoint and Triton's own metrics URL (from ``server.json``)."""
+    control = ControlClient.from_state(state_dir)
+    directory = Path(state_dir or os.environ.get(STATE_ENV) or Path(".triton") / "8000")
+    server = json.loads((directory / "server.json").read_text())
+    return control, f"http://{server['triton_metrics']}/metrics"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m triton_pipelines.rollout", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--state-dir", type=Path, help=f"the launcher's state folder (default ${STATE_ENV} or .triton/8000)")
+    parser.add_argument("--repository", type=Path, default=Path("model_repository"))
+    parser.add_argument("--split-file", type=Path, help="the router's split file (default $ROUTER_SPLIT_FILE or "
+                                                        "<repository>/router/splits.json)")
+    commands = parser.add_subparsers(dest="command", required=True)
+    status = commands.add_parser("status", help="versions loaded, ensemble pins, router split")
+    start = commands.add_parser("start", help="roll a version out in steps, watching failures and p99")
+    rollback = commands.add_parser("rollback", help="move all traffic back to a version at once")
+    replace = commands.add_parser("replace", help="new files for a serving version, reloaded without failures")
+    for command in (status, start, rollback, replace):
+        command.add_argument("model")
+    start.add_argument("--to", type=int, required=True, dest="version")
+    start.add_argument("--steps", default="10,50,100", help="router shares in percent (default 10,50,100)")
+    start.add_argument("--hold-s", type=float, default=60.0, help="seconds each step is watched (default 60)")
+    start.add_argument("--max-failure-ratio", type=float, default=0.0)
+    start.add_argument("--max-p99-ms", type=float)
+    start.add_argument("--max-p99-ratio", type=float, help="target p99 over the old version's p99")
+    start.add_argument("--min-requests", type=int, default=50, help="requests the target serves in a hold before "
+                                                                     "its p99 is judged (default 50)")
+    start.add_argument("--on-breach", choices=("rollback", "stop"), default="rollback")
+    rollback.add_argument("--to", type=int, dest="version", help="default: the version the plain ensembles serve")
+    replace.add_argument("--version", type=int, required=True)
+    replace.add_argument("--files", type=Path, required=True, help="a folder with the new files (e.g. model.onnx)")
+    args = parser.parse_args(argv)
+    try:
+        control, metrics_url = connect(args.state_dir)
+        rollout = Rollout(control, metrics_url, args.repository, args.model, args.split_file)
+        if args.command == "status":
+            print(json.dumps(rollout.status(), indent=2))
+        elif args.command == "start":
+            gate = Gate(args.max_failure_ratio, args.max_p99_ms, args.max_p99_ratio, args.min_requests)
+            rollout.move(args.version, [float(s) for s in args.steps.split(",")], args.hold_s, gate, args.on_breach)
+        elif args.command == "rollback":
+            rollout.move(args.version if args.version is not None else rollout.current_version(), (100,), 0)
+        else:
+            rollout.replace_files(args.version, args.files)
+    except Breach as breach:
+        print(f"rollout: {breach}", file=sys.stderr)
+        return EXIT_BREACH
+    except KeyboardInterrupt:
+        print("rollout: interrupted; the split and versions stay where they are: `status` shows them, `rollback` "
+              "or `start` again continues", file=sys.stderr)
+        return 130
+    except (RolloutError, ControlError, OSError) as error:
+        print(f"rollout: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,227 @@
+"""The rollout command on a server of this module's own (the text pipelines and the router on a
+private copy of the repository), under continuous load from HTTP and gRPC clients, both direct
+ensemble callers and router callers:
+
+- a full rollout 1 → 2 in steps and a rollback 2 → 1 fail no request, every answer is exactly
+  version 1's or version 2's (no answer from a half-loaded model), the router's version label is
+  the version that answered, and direct callers are on the new version once the command returns;
+- a gate past its threshold rolls the rollout back by itself, still without a failed request;
+- new files for the serving version are put in place and reloaded without a failed request, the
+  latency-class variant (symlinked files) included.
+Plus the logic without a server: metrics parsing, the gate, the family read from the repository."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from triton_pipelines.client import TritonClient, text_tensor
+from triton_pipelines.launcher import start_on_free_ports
+from triton_pipelines.rollout import Breach, Family, Gate, Metrics, Rollout, StepReport, judge
+
+from .conftest import LOG_DIR, ensure_repository
+from .lifecycle_helpers import TEXTS, Traffic, copy_repository
+
+MODELS = ["router", "text_tokenizer", "text_encoder", "text_encoder_batch", "embedding_pooler", "intent_classifier",
+          "text_embedding", "text_embedding_v2", "text_embedding_batch", "text_embedding_batch_v2",
+          "text_classification", "text_classification_v2"]
+# Direct callers of the plain ensembles (nested text_classification too) and router callers, on
+# both protocols.
+WORKERS = [("direct", "text_embedding", "grpc"), ("direct", "text_embedding", "http"),
+           ("direct", "text_embedding_batch", "grpc"), ("direct", "text_classification", "http"),
+           ("router", "text_embedding", "grpc"), ("router", "text_embedding", "http")]
+V1_TOLERANCE = 1e-4
+V2_TOLERANCE = 0.1
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    repository = copy_repository(ensure_repository(), tmp_path_factory.mktemp("lifecycle") / "repository", MODELS)
+    saved = os.environ.pop("ROUTER_SPLIT_FILE", None)  # the router must read the copy's split file
+    try:
+        launched = start_on_free_ports(repository, LOG_DIR / "test-rollout-server.log", models=MODELS)
+    finally:
+        if saved is not None:
+            os.environ["ROUTER_SPLIT_FILE"] = saved
+    yield launched
+    launched.stop()
+
+
+@pytest.fixture(scope="module")
+def rollout(server):
+    return Rollout(server.control, server.metrics_url, Path(server.options.model_repository), "text_encoder",
+                   log=lambda message: print(f"[rollout] {message}"), poll_s=0.25, quiet_s=1.0)
+
+
+@pytest.fixture(scope="module")
+def references(server) -> dict[int, dict[int, np.ndarray]]:
+    """version → text → embedding, and for text_classification version → text → (label, score),
+    from the pinned ensembles before anything changes."""
+    client = TritonClient("grpc", server.grpc_url)
+    refs = {"embedding": {}, "classification": {}}
+    for version, suffix in ((1, ""), (2, "_v2")):
+        refs["embedding"][version] = {i: client.infer(f"text_embedding{suffix}", {"text": text_tensor([t])})["embedding"][0]
+                                      for i, t in enumerate(TEXTS)}
+        refs["classification"][version] = {}
+        for i, t in enumerate(TEXTS):
+            out = client.infer(f"text_classification{suffix}", {"text": text_tensor([t])})
+            refs["classification"][version][i] = (out["label"][0, 0].decode(), out["score"][0])
+    client.close()
+    return refs
+
+
+def served_by(answer, refs) -> int:
+    """Which version answered. Version 1 (fp32) answers its reference to float noise whatever the
+    batch; version 2's dynamic int8 quantization scales activations per batch, so its answers
+    move with what they were batched with (~0.02): near its reference, never version 1's. An
+    answer from a half-loaded or wrong model is neither."""
+    if answer.label is not None:  # text_classification: a label either version gives
+        assert answer.label in {refs["classification"][v][answer.text][0] for v in (1, 2)}, answer
+        return 0
+    one, two = refs["embedding"][1][answer.text], refs["embedding"][2][answer.text]
+    if np.abs(answer.output - one).max() < V1_TOLERANCE:
+        return 1
+    assert np.abs(answer.output - two).max() < V2_TOLERANCE, (
+        f"an answer that is neither version's: {np.abs(answer.output - one).max()} from version 1, "
+        f"{np.abs(answer.output - two).max()} from version 2 ({answer})")
+    return 2
+
+
+def test_version_2_differs_from_version_1(references):
+    """The checks below can tell the versions apart."""
+    for i in range(len(TEXTS)):
+        assert np.abs(references["embedding"][1][i] - references["embedding"][2][i]).max() > 10 * V1_TOLERANCE
+
+
+def test_rollout_and_rollback_under_load_fail_nothing(server, rollout, references):
+    assert rollout.loaded_versions() == {1, 2} and rollout.current_version() == 1  # the built canary state
+    marks = {}
+    with Traffic(server, WORKERS) as traffic:
+        time.sleep(1.0)
+        marks["retire_2"] = time.monotonic()
+        rollout.move(1, steps=(100,), hold_s=0)  # end the canary: version 1 only
+        assert rollout.loaded_versions() == {1}
+        marks["start"] = time.monotonic()
+        reports = rollout.move(2, steps=(10, 50, 100), hold_s=1.5, gate=Gate(max_failure_ratio=0.0))
+        marks["rolled_out"] = time.monotonic()
+        assert rollout.loaded_versions() == {2} and rollout.current_version() == 2
+        time.sleep(1.5)
+        marks["rollback"] = time.monotonic()
+        rollout.move(1, steps=(100,), hold_s=0)
+        marks["rolled_back"] = time.monotonic()
+        assert rollout.loaded_versions() == {1} and rollout.current_version() == 1
+        time.sleep(1.5)
+        marks["end"] = time.monotonic()
+    assert [r.share for r in reports] == [10, 50, 100] and not any(r.breach for r in reports)
+    assert not traffic.errors(), traffic.errors()[:5]
+    phases = list(marks.items())
+    for (name, start), (_, end) in zip(phases, phases[1:]):
+        answered = traffic.between(start, end)
+        assert len(answered) >= 3, f"too little traffic during {name}: {len(answered)}"
+    for answer in traffic.answers:
+        version = served_by(answer, references)  # every answer is one version's
+        if not version:
+            continue
+        if answer.kind == "router":
+            assert answer.version == version, answer  # the label is the version that answered
+        if answer.sent >= marks["rolled_out"] and answer.done <= marks["rollback"]:
+            assert version == 2, answer  # once rolled out, everyone is on version 2
+        if answer.sent >= marks["rolled_back"] or answer.done <= marks["retire_2"]:
+            assert version == 1 or (answer.kind == "router" and answer.done <= marks["retire_2"]), answer
+    router_versions = {a.version for a in traffic.between(marks["start"], marks["rolled_out"]) if a.kind == "router"}
+    assert router_versions == {1, 2}  # the split moved the router's traffic over in steps
+    metrics = Metrics.scrape(server.metrics_url)
+    assert metrics.total("launcher_stub_restarts_total") == 0  # reloads are not mistaken for dead stubs
+
+
+def test_a_gate_past_its_threshold_rolls_back_by_itself(server, rollout):
+    assert rollout.loaded_versions() == {1}
+    gate = Gate(max_p99_ms=0.001, min_requests=1)  # no version can pass: the first step breaches
+    with Traffic(server, WORKERS[:2] + WORKERS[4:]) as traffic:
+        with pytest.raises(Breach) as breach:
+            rollout.move(2, steps=(10, 50, 100), hold_s=3.0, gate=gate)
+        time.sleep(0.5)
+    assert breach.value.rolled_back and "p99" in str(breach.value)
+    assert [r.share for r in breach.value.steps] == [10]
+    assert rollout.loaded_versions() == {1} and rollout.current_version() == 1 and rollout.split() == {1: 100}
+    assert not traffic.errors(), traffic.errors()[:5]
+
+
+def test_new_files_for_the_serving_version_are_swapped_in_without_failures(server, rollout, references, tmp_path):
+    """Version 1's model.onnx is replaced (here by the int8 weights of version 2, so the answers
+    show which file served them) while it serves; text_encoder_batch's symlinks follow."""
+    assert rollout.loaded_versions() == {1}
+    repository = Path(server.options.model_repository)
+    new = tmp_path / "new"
+    new.mkdir()
+    os.link(repository / "text_encoder" / "2" / "model.onnx", new / "model.onnx")
+    with Traffic(server, WORKERS[:4]) as traffic:
+        time.sleep(1.0)
+        rollout.replace_files(1, new)
+        replaced = time.monotonic()
+        time.sleep(2.0)
+    assert not traffic.errors(), traffic.errors()[:5]
+    after = [a for a in traffic.answers if a.sent >= replaced]
+    assert {a.target for a in after} == {"text_embedding", "text_embedding_batch", "text_classification"}
+    for answer in traffic.answers:
+        version = served_by(answer, references)  # the old file's answer or the new file's, nothing else
+        if answer.sent >= replaced and version:
+            assert version == 2, answer  # "2": the new file's weights, served as version 1
+
+
+# ----------------------------------------------------------------------------------- no server
+def test_metrics_parse_sums_matching_samples():
+    text = ('# HELP x\nnv_inference_request_failure{model="a",version="1"} 2\n'
+            'nv_inference_request_failure{model="b",version="1"} 3\n'
+            'nv_inference_request_summary_us{model="a",version="2",quantile="0.99"} NaN\n'
+            'router_failures_total{task="t",route="triton",reason="invalid_input"} 4\n')
+    metrics = Metrics.parse(text)
+    assert metrics.total("nv_inference_request_failure", version="1") == 5
+    assert metrics.total("nv_inference_request_failure", model=["a", "c"]) == 2
+    assert metrics.total("router_failures_total", task=()) == 0
+    assert metrics.largest("nv_inference_request_summary_us", model="a") != metrics.largest(
+        "nv_inference_request_summary_us", model="a")  # NaN: no observations in the window
+
+
+@pytest.mark.parametrize("report, gate, breach", [
+    (StepReport(10, requests=100, failures=0, target_requests=10, p99_ms=50), Gate(), ""),
+    (StepReport(10, requests=100, failures=1, target_requests=10, p99_ms=50), Gate(), "1 of 100 requests failed"),
+    (StepReport(10, requests=100, failures=1), Gate(max_failure_ratio=0.02), ""),
+    (StepReport(10, failures=2), Gate(), "2 failures"),
+    (StepReport(10, requests=100, target_requests=60, p99_ms=300), Gate(max_p99_ms=250), "p99 300.0 ms over 250"),
+    (StepReport(10, requests=100, target_requests=10, p99_ms=300), Gate(max_p99_ms=250), ""),  # too few to judge
+    (StepReport(10, requests=100, target_requests=60, p99_ms=300, old_p99_ms=100), Gate(max_p99_ratio=2.0),
+     "over 2 x the old"),
+    (StepReport(10, requests=100, target_requests=60, p99_ms=150, old_p99_ms=100), Gate(max_p99_ratio=2.0), ""),
+])
+def test_gate(report, gate, breach):
+    found = judge(gate, report)
+    assert (breach in found) if breach else found == ""
+
+
+def test_family_from_the_built_repository():
+    family = Family.from_repository(ensure_repository(), "text_encoder")
+    assert family.members == ("text_encoder", "text_encoder_batch")
+    assert family.pinning_ensembles == {"text_embedding": "text_encoder", "text_embedding_batch": "text_encoder_batch"}
+    assert family.versioned_ensembles == {2: ("text_classification_batch_v2", "text_classification_v2",
+                                              "text_embedding_batch_v2", "text_embedding_v2")}
+    assert family.canary_tasks == ("text_classification", "text_embedding") and family.router_versions == (1, 2)
+    assert family.ensembles_serving(1) == ("text_embedding", "text_embedding_batch")
+
+
+def test_split_file_is_replaced_whole_and_keeps_other_models(tmp_path):
+    class Stub(Rollout):
+        def __post_init__(self):
+            self.split_file = Path(self.split_file)
+
+    split = tmp_path / "splits.json"
+    split.write_text(json.dumps({"other_model": {"1": 100}}))
+    stub = Stub(control=None, metrics_url="", repository=tmp_path, model="text_encoder", split_file=split)
+    stub.write_split({1: 0.0, 2: 100.0})
+    assert json.loads(split.read_text()) == {"other_model": {"1": 100}, "text_encoder": {"2": 100.0}}
+    assert not list(tmp_path.glob(".splits-*"))
