@@ -28,7 +28,7 @@ def copy_repository(source: Path, target: Path, models: list[str]) -> Path:
     target.mkdir(parents=True)
     for name in models:
         shutil.copytree(source / name, target / name, symlinks=True, copy_function=os.link,
-                        ignore=shutil.ignore_patterns("__pycache__", "splits.json"))
+                        ignore=shutil.ignore_patterns("splits.json"))
     shutil.copy2(source / ".built", target / ".built")
     return target
 

@@ -11,8 +11,10 @@ Layout written to ``output``::
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import json
+import py_compile
 import shutil
 import time
 from importlib.metadata import version
@@ -60,6 +62,18 @@ def build_compute_model(model: ComputeModel, context: BuildContext) -> list[str]
         trtexec_args.unlink()
     build_extra_versions(model, context, ONNX_RUNNER, log)
     return [model.name] + build_latency_variants(model, context, ONNX_RUNNER)
+
+
+def compile_model_files(output: Path) -> None:
+    """Byte-compile every version's ``model.py`` in place (``__pycache__`` beside it, for this
+    interpreter, which the embedded stub shares). Otherwise the stub writes it on the first load,
+    the version folder's modification time changes, and Triton's next ``load`` of the model reloads
+    that version from scratch (new instances) whatever the config says: a rollout's version change,
+    a watchdog repair. Up-to-date files are left alone, so a rebuild changes nothing."""
+    for source in sorted(output.glob("*/[0-9]*/model.py")):
+        cached = Path(importlib.util.cache_from_source(str(source)))
+        if not cached.exists() or cached.stat().st_mtime < source.stat().st_mtime:
+            py_compile.compile(str(source), cfile=str(cached), doraise=True)
 
 
 def compute_model_facts(model: ComputeModel) -> dict:
@@ -123,6 +137,7 @@ def build_repository(context: BuildContext, parts: list[Part]) -> list[str]:
         if (stale / "config.pbtxt").exists():
             log(f"removing {stale.name}: no longer built")
             shutil.rmtree(stale)
+    compile_model_files(context.output)
     rows = [row for part in parts for row in part.model_table(context)]
     (context.output / ".built").write_text(json.dumps(
         {"target": context.target, "models": built, "model_table": rows,

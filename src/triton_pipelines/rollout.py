@@ -356,10 +356,22 @@ class Rollout:
 
     def set_versions(self, versions: set[int]) -> None:
         """Load every member with exactly these versions (the server's own config otherwise)."""
-        for member in self.members():
+        def load(member: str) -> None:
             config = self.control.config(member)
             config["version_policy"] = {"specific": {"versions": sorted(versions)}}
             self.control.load(member, config=config)
+
+        self._each_member(load)
+
+    def _each_member(self, action: Callable[[str], None]) -> None:
+        """``action`` on every served member at once (Triton loads them in parallel, up to
+        ``--model-load-thread-count``); the first error is raised once all are done."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        members = self.members()
+        with ThreadPoolExecutor(len(members)) as pool:
+            for future in [pool.submit(action, member) for member in members]:
+                future.result()
 
     def load_ensembles(self, names: Iterable[str]) -> None:
         states = self.control.states()
@@ -554,7 +566,7 @@ class Rollout:
         staging = Path(tempfile.mkdtemp(prefix=".incoming-", dir=version_dir))
         try:
             for path in new_files:
-                shutil.copy2(path, staging / path.name)
+                shutil.copyfile(path, staging / path.name)  # modified now: Triton sees the change
                 with open(staging / path.name, "rb") as handle:
                     os.fsync(handle.fileno())
             for path in new_files:
@@ -564,10 +576,9 @@ class Rollout:
         for member in self.family.members[1:]:
             os.utime(self.repository / member / str(version))
         self.log(f"{', '.join(p.name for p in new_files)} in place in {version_dir}; reloading version {version}")
-        for member in self.members():
-            started = time.monotonic()
-            self.control.load(member, config=self.control.config(member))
-            self.log(f"{member} version {version} reloaded in {time.monotonic() - started:.1f} s")
+        started = time.monotonic()
+        self._each_member(lambda member: self.control.load(member, config=self.control.config(member)))
+        self.log(f"{', '.join(self.members())} version {version} reloaded in {time.monotonic() - started:.1f} s")
         pinned = {e for e, v in self.pinned_versions().items() if v == version}
         self.load_ensembles(self.family.versioned_ensembles.get(version, ()))
         from .client import TritonClient
