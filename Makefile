@@ -8,7 +8,7 @@ BENCH_INSTALLED := $(VENV)/.bench-installed
 TARGET ?= embedded
 BUILD_FLAGS ?=
 
-.PHONY: install repository serve test bench soak clean
+.PHONY: install repository serve test bench soak lifecycle clean
 
 install: $(INSTALLED)
 
@@ -34,7 +34,9 @@ repository: install
 	$(PY) -m repo_builder --target $(TARGET) $(BUILD_FLAGS)
 
 # Real Triton on 8000 (HTTP) / 8001 (gRPC) / 8002 (metrics), in the foreground like `docker compose up`.
+# The memory planner checks first that every model at its max batch fits this machine (docs/operations.md).
 serve: repository
+	$(PY) -m repo_builder plan --check
 	$(PY) -m triton_pipelines.launcher --model-repository model_repository
 
 test: repository
@@ -58,6 +60,10 @@ bench: $(BENCH_INSTALLED)
 SOAK_SECONDS ?= 600
 soak: repository
 	SOAK_SECONDS=$(SOAK_SECONDS) $(PY) -m benchmarks.soak
+
+# Load time and first-request latency, without and with warm-up, per model and pipeline → docs/lifecycle.md.
+lifecycle: repository
+	$(PY) -m benchmarks.lifecycle
 
 clean:
 	rm -rf $(VENV) .cache .bench model_repository/*/

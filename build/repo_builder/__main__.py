@@ -1,6 +1,8 @@
-"""python -m repo_builder --target embedded|gpu [--output model_repository] [part flags]"""
+"""python -m repo_builder --target embedded|gpu [--output model_repository] [part flags]
+python -m repo_builder plan [--gpu A100-40GB | --gpu-memory 40GiB | --host] ...: the memory planner (plan.py)"""
 
 import argparse
+import sys
 from pathlib import Path
 
 from .compute import TARGETS
@@ -32,6 +34,11 @@ def parse_context(argv=None) -> tuple[BuildContext, list]:
 
 
 def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["plan"]:
+        from .plan import main as plan
+
+        sys.exit(plan(argv[1:]))
     build_repository(*parse_context(argv))
 
 
