@@ -38,6 +38,17 @@ def triton_server():
     server.stop()
 
 
+@pytest.fixture(scope="session")
+def compute_server():
+    """A server with only the compute models (started when a test first asks for it): tests that
+    reload them with new instances (warm-up at load, the memory planner's measurements) use it, so
+    the session server is not disturbed."""
+    server = start_on_free_ports(ensure_repository(), LOG_DIR / "test-compute-server.log",
+                                 models=["text_encoder", "resnet50", "whisper_encoder", "whisper_decoder"])
+    yield server
+    server.stop()
+
+
 @pytest.fixture(scope="session", params=["http", "grpc"])
 def client(request, triton_server) -> TritonClient:
     """Parametrizes a test over both protocols."""

@@ -1,5 +1,5 @@
 """The memory planner (``python -m repo_builder plan``): its CPU estimates against the measured
-memory of each compute model's stub on an embedded server of this module's own, and its verdicts
+memory of each compute model's stub (on the compute-models server, not the session server), and its verdicts
 and placements for a few repositories and GPU sizes."""
 
 from __future__ import annotations
@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -18,13 +17,11 @@ from tritonclient.grpc import model_config_pb2 as mc
 from repo_builder.plan import (GiB, GPUS, Instance, Repository, graph_weights, live_peak, parse_bytes, place,
                                reduced_counts, smallest_fleet)
 from triton_pipelines.client import TritonClient
-from triton_pipelines.launcher import start_on_free_ports
 from triton_pipelines.processes import find_stubs
 
-from .conftest import LOG_DIR, ensure_repository
+from .conftest import ensure_repository
 from .lifecycle_helpers import copy_repository
 
-COMPUTE = ["text_encoder", "resnet50", "whisper_encoder", "whisper_decoder"]
 TOLERANCE = 0.25
 
 
@@ -49,13 +46,6 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def server():
-    launched = start_on_free_ports(ensure_repository(), LOG_DIR / "test-planner-server.log", models=COMPUTE)
-    yield launched
-    launched.stop()
-
-
 def peak_rss(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
@@ -63,11 +53,12 @@ def peak_rss(pid: int) -> int:
     raise AssertionError(f"no VmHWM for {pid}")
 
 
-def test_cpu_estimates_are_within_25_percent_of_the_measured_stubs(server):
+def test_cpu_estimates_are_within_25_percent_of_the_measured_stubs(compute_server):
     """Each case on fresh instances (the model loaded again with a changed parameter: a new stub,
     an empty arena; its model_warmup runs at load), one request at the case's shape, then the
     stub's peak RSS against the planner's estimate for that shape."""
     repository = Repository(ensure_repository())
+    server = compute_server
     client = TritonClient("grpc", server.grpc_url)
     rows = []
     for generation, (model, version, batch, bounds, request) in enumerate(CASES):

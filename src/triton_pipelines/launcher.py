@@ -110,6 +110,8 @@ class ServerOptions:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_json_bytes: int = DEFAULT_MAX_JSON_BYTES
     supervise_interval_s: float = 1.0
+    # One request through every loaded ensemble before the server is announced ready (warmup.py).
+    warm_pipelines: bool = False
     extra_args: list[str] = field(default_factory=list)
 
 
@@ -285,8 +287,26 @@ class Launcher:
                 if not self.proxy.alive():
                     raise RuntimeError(f"nginx exited with code {self.proxy.process.returncode}")
             time.sleep(0.1)
+        if self.options.warm_pipelines:
+            self.warm_pipelines()
         if not self.supervisor.is_alive() and not self.stopping.is_set():
             self.supervisor.start()
+
+    def warm_pipelines(self) -> list:
+        """One request through every loaded ensemble (model_warmup warms compute models at load; an
+        ensemble and the Python steps behind it have no warm-up by config)."""
+        from .client import TritonClient
+        from .warmup import warm_pipelines
+
+        ensembles = [entry["name"] for entry in self.control.index(ready_only=True)
+                     if self.control.config(entry["name"]).get("platform") == "ensemble"]
+        client = TritonClient("http", self.control.http_url)
+        try:
+            warmed = warm_pipelines(client, self.control, sorted(set(ensembles)))
+        finally:
+            client.close()
+        self.log(f"warmed {len(warmed)} pipelines end to end in {sum(w.seconds for w in warmed):.1f} s")
+        return warmed
 
     def _supervise(self) -> None:
         quick_crashes = 0
@@ -428,6 +448,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-verbose", type=int, default=0)
     parser.add_argument("--load-model", action="append", dest="models", metavar="NAME",
                         help="load only these models at start (repeatable); default: every model")
+    parser.add_argument("--no-pipeline-warmup", action="store_true",
+                        help="do not send one request through every ensemble before announcing ready")
     parser.add_argument("extra_args", nargs="*", help="passed to tritonserver after `--`")
     args = parser.parse_args(argv)
     if not (args.model_repository / ".built").exists():
@@ -450,6 +472,7 @@ def main(argv: list[str] | None = None) -> int:
         exit_timeout_secs=args.exit_timeout_secs,
         log_verbose=args.log_verbose,
         models=args.models,
+        warm_pipelines=not args.no_pipeline_warmup,
         extra_args=args.extra_args,
     )
     server = Launcher(options)
