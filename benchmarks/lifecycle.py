@@ -10,7 +10,8 @@ shape). Pipelines: every model of the pipeline is loaded with new instances (com
 their ``model_warmup``), then the first request is timed either at once ("compute models warmed
 by config") or after ``warmup.warm_pipelines`` sent one request through the ensemble ("warmed end
 to end"); "cold" also strips the compute models' ``model_warmup``. Each figure is the median of
-``--rounds`` rounds.
+``--rounds`` rounds. Then the whole repository's launch-to-ready time with
+``--model-load-thread-count`` 1 and 4 (Triton's default).
 """
 
 from __future__ import annotations
@@ -113,7 +114,21 @@ def ms(values) -> str:
     return f"{statistics.median(values) * 1e3:.0f}"
 
 
-def run(server, rounds: int) -> str:
+def start_times(repository: Path, thread_counts: tuple[int, ...]) -> str:
+    """Time from launch to ready of the whole repository, by ``--model-load-thread-count``."""
+    rows = []
+    for count in thread_counts:
+        started = time.perf_counter()
+        server = start_on_free_ports(repository, ROOT / ".bench" / f"lifecycle-threads-{count}.log",
+                                     extra_args=[f"--model-load-thread-count={count}"])
+        ready = time.perf_counter() - started
+        server.stop()
+        rows.append([count, f"{ready:.1f}"])
+        print("--model-load-thread-count", count, f"ready in {ready:.1f} s", flush=True)
+    return markdown_table(["--model-load-thread-count", "launch to ready (s)"], rows)
+
+
+def run(server, rounds: int, threads_table: str) -> str:
     bench = Bench(server)
     rows = []
     for model, inputs in compute_inputs().items():
@@ -157,6 +172,10 @@ def run(server, rounds: int) -> str:
         "",
         pipeline_table,
         "",
+        "## Start of the whole repository by load threads (one start each)",
+        "",
+        threads_table,
+        "",
         f"Machine: {platform.machine()}, {os.cpu_count()} CPU cores, shared with other jobs (load average "
         f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} at the end of the run), "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.",
@@ -170,9 +189,10 @@ def main(argv=None) -> int:
     parser.add_argument("--report", type=Path, default=ROOT / "docs" / "lifecycle.md")
     args = parser.parse_args(argv)
     repository = Path(os.environ.get("BENCH_MODEL_REPOSITORY", ROOT / "model_repository"))
+    threads_table = start_times(repository, (1, 4))
     server = start_on_free_ports(repository, ROOT / ".bench" / "lifecycle-server.log")
     try:
-        report = run(server, args.rounds)
+        report = run(server, args.rounds, threads_table)
     finally:
         server.stop()
     args.report.write_text(report)

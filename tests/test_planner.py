@@ -162,7 +162,6 @@ def test_placement_respects_the_85_10_5_budget():
 
 def test_sizes_and_graph_arithmetic():
     assert parse_bytes("40GiB") == 40 * GiB and parse_bytes("24GB") == 24 * 10**9 and GPUS["A100-40GB"] == 40
-    import onnx
     from onnx import TensorProto, helper
 
     weight = helper.make_tensor("w", TensorProto.FLOAT, [4, 8], np.zeros(32, np.float32))

@@ -302,7 +302,8 @@ class Launcher:
                      if self.control.config(entry["name"]).get("platform") == "ensemble"]
         client = TritonClient("http", self.control.http_url)
         try:
-            warmed = warm_pipelines(client, self.control, sorted(set(ensembles)))
+            warmed = warm_pipelines(client, self.control, sorted(set(ensembles)), on_error=lambda name, error:
+                                    self.log(f"warm-up request through {name} failed: {error}"))
         finally:
             client.close()
         self.log(f"warmed {len(warmed)} pipelines end to end in {sum(w.seconds for w in warmed):.1f} s")

@@ -497,8 +497,8 @@ class Rollout:
             raise RolloutError(f"steps must rise to 100 (percent of the router's traffic), got {steps}")
         loaded, current, split = self.loaded_versions(), self.current_version(), self.split()
         sources = ({v for v, share in split.items() if share > 0} | {current}) - {target}
-        self.log(f"{self.model}: serving {sorted(sources | ({target} if target in split else set()))}, "
-                 f"loaded {sorted(loaded)}, split {split}; moving to version {target}")
+        self.log(f"{self.model}: loaded {sorted(loaded)}, plain ensembles on {current}, router split {split}; "
+                 f"moving to version {target}")
         if target not in loaded:
             self.log(f"loading {self.model} version {target} beside {sorted(loaded)} "
                      f"({', '.join(self.family.members)}; warmed by config before READY)")

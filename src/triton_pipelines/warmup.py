@@ -72,14 +72,22 @@ class Warmed:
     seconds: float
 
 
-def warm_pipelines(client, control, ensembles: Iterable[str]) -> list[Warmed]:
+def warm_pipelines(client, control, ensembles: Iterable[str],
+                   on_error: Callable[[str, Exception], None] | None = None) -> list[Warmed]:
     """One request through each ensemble (``client``: a ``TritonClient``; ``control``: a
-    ``ControlClient`` for the configs). Raises the first error: a pipeline that cannot answer a
-    warm-up request must not get traffic."""
+    ``ControlClient`` for the configs); returns those that answered. Without ``on_error`` the first
+    error is raised (the rollout: a pipeline that cannot answer a warm-up request must not get
+    traffic); with it, each failure is reported and the others are still warmed."""
     warmed = []
     for name in ensembles:
-        inputs = sample_inputs(control.config(name))
-        started = time.perf_counter()
-        client.infer(name, inputs)
+        try:
+            inputs = sample_inputs(control.config(name))
+            started = time.perf_counter()
+            client.infer(name, inputs)
+        except Exception as error:
+            if on_error is None:
+                raise
+            on_error(name, error)
+            continue
         warmed.append(Warmed(name, time.perf_counter() - started))
     return warmed
