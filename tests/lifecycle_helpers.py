@@ -22,12 +22,19 @@ TEXTS = ["I want a refund for my order", "my password does not work anymore", "h
          "the app crashes when I open settings"]
 
 
+def link_or_copy(source: str, target: str) -> None:
+    try:
+        os.link(source, target)
+    except OSError:  # another file system
+        shutil.copy2(source, target)
+
+
 def copy_repository(source: Path, target: Path, models: list[str]) -> Path:
-    """``models`` of ``source`` (and its ``.built``) in ``target``: files hard-linked (a file
-    replaced by rename in the copy leaves the original alone), symlinks kept."""
+    """``models`` of ``source`` (and its ``.built``) in ``target``: files hard-linked where the file
+    system allows (a file replaced by rename in the copy leaves the original alone), symlinks kept."""
     target.mkdir(parents=True)
     for name in models:
-        shutil.copytree(source / name, target / name, symlinks=True, copy_function=os.link,
+        shutil.copytree(source / name, target / name, symlinks=True, copy_function=link_or_copy,
                         ignore=shutil.ignore_patterns("splits.json"))
     shutil.copy2(source / ".built", target / ".built")
     return target
