@@ -15,7 +15,7 @@ install: $(INSTALLED)
 # Debian packages: nginx (the public front of the server, see src/triton_pipelines/proxy.py).
 SYSTEM_PACKAGES := nginx-core
 
-$(INSTALLED): requirements.txt requirements-nodeps.txt pyproject.toml
+$(INSTALLED): requirements.txt requirements-serving.txt requirements-builder.txt requirements-embedded.txt requirements-nodeps.txt pyproject.toml
 	@missing=""; for package in $(SYSTEM_PACKAGES); do \
 	  dpkg -s $$package >/dev/null 2>&1 || missing="$$missing $$package"; done; \
 	if [ -n "$$missing" ]; then \

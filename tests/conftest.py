@@ -3,7 +3,9 @@ for both protocols.
 
 The repository is the one `make repository` builds (`make test` builds it first); if it is missing
 the fixture builds it. `TEST_MODEL_REPOSITORY=DIR` points the tests at another built repository
-(e.g. one built with `--parts text`). Server logs go to `.cache/test-server.log`.
+(e.g. one built with `--parts text`). `TEST_SERVER_STATE=DIR` attaches the tests to a launcher that
+is already running (its state folder), e.g. the Python 3.10 rehearsal of the container
+(tests/test_images.py). Server logs go to `.cache/test-server.log`.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from triton_pipelines.client import TritonClient
-from triton_pipelines.launcher import start_on_free_ports
+from triton_pipelines.launcher import RunningServer, start_on_free_ports
 
 from .fake_gateway import FakeGateway
 
@@ -33,6 +35,9 @@ def ensure_repository() -> Path:
 
 @pytest.fixture(scope="session")
 def triton_server():
+    if os.environ.get("TEST_SERVER_STATE"):
+        yield RunningServer(Path(os.environ["TEST_SERVER_STATE"]))
+        return
     server = start_on_free_ports(ensure_repository(), LOG_DIR / "test-server.log")
     yield server
     server.stop()

@@ -254,7 +254,7 @@ def test_gpu_target_defaults_to_large_v3_configs_without_exporting():
 
     part = SpeechPart()
     args = argparse.Namespace(whisper_size=None, whisper_checkpoint=None)
-    gpu = BuildContext(target="gpu", output=Path("/nonexistent"), args=args)
+    gpu = BuildContext(target="gpu", output=Path("/nonexistent"), args=args, root=Path.cwd())
     encoder, decoder = part.compute_models(gpu)
     encoder_config, decoder_config = encoder.config("gpu"), decoder.config("gpu")
     assert encoder_config.platform == decoder_config.platform == "onnxruntime_onnx"
@@ -264,7 +264,7 @@ def test_gpu_target_defaults_to_large_v3_configs_without_exporting():
     assert [t.name for t in decoder_config.input][:2] == ["input_ids", "past_self_kv"]
     assert list(decoder_config.input[1].dims) == [64, 20, -1, 64] and len(decoder_config.input) == 66
     assert list(decoder_config.output[0].dims) == [51866]
-    embedded = BuildContext(target="embedded", output=Path("/nonexistent"), args=args)
+    embedded = BuildContext(target="embedded", output=Path("/nonexistent"), args=args, root=Path.cwd())
     tiny_encoder, tiny_decoder = part.compute_models(embedded)
     assert tiny_encoder.config("embedded").backend == "python"
     # one description: same tensors on both targets; on the embedded target the cross K/V are

@@ -12,9 +12,9 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from .compute import ComputeModel, TensorSpec
 from .files import hash_files, is_fresh, mark_fresh
-from .part import PROJECT_ROOT, BuildContext, Part
+from .part import BuildContext, Part
 
-INTENTS_FILE = PROJECT_ROOT / "data" / "intents.yaml"
+INTENTS_FILE = Path("data") / "intents.yaml"  # in the project
 MAX_BATCH_SIZE = 64
 # Tensors whose last dimension is the encoder's hidden size, written as 384 in the sources.
 EMBEDDING_TENSORS = {"last_hidden_state", "embedding"}
@@ -116,9 +116,10 @@ class TextPart(Part):
             shutil.copy2(tokenizer_json, version_dir / "tokenizer.json")
         elif model_name == "intent_classifier":
             encoder_onnx = context.compute_dir("text_encoder") / "model.onnx"
-            key = hash_files(INTENTS_FILE, tokenizer_json, encoder_onnx)
+            intents = context.root / INTENTS_FILE
+            key = hash_files(intents, tokenizer_json, encoder_onnx)
             if not is_fresh(version_dir, key):
-                intent_prototypes(encoder_onnx, tokenizer_json).save(version_dir / "intent_prototypes.npz")
+                intent_prototypes(intents, encoder_onnx, tokenizer_json).save(version_dir / "intent_prototypes.npz")
                 mark_fresh(version_dir, key)
 
     def model_table(self, context: BuildContext) -> list[dict]:
@@ -134,13 +135,13 @@ class TextPart(Part):
         return rows
 
 
-def intent_prototypes(encoder_onnx: Path, tokenizer_json: Path):
+def intent_prototypes(intents_file: Path, encoder_onnx: Path, tokenizer_json: Path):
     """Embed each intent's example phrases with the served encoder: the same tokenizer, ONNX graph
     and pooling as the pipeline, so prototypes and requests live in one embedding space."""
     from triton_pipelines.onnx_runner import OnnxBatchRunner
     from triton_pipelines.text import IntentPrototypes, TextTokenizer, load_intent_examples, mean_pool_normalize
 
-    examples, temperature = load_intent_examples(INTENTS_FILE)
+    examples, temperature = load_intent_examples(intents_file)
     tokenizer = TextTokenizer(tokenizer_json)
     runner = OnnxBatchRunner(encoder_onnx, output_names=["last_hidden_state"])
     embeddings = []

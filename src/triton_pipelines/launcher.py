@@ -212,7 +212,8 @@ class Launcher:
             "launcher_pid": os.getpid(), "triton_http": self.control.http_url,
             "triton_grpc": f"{LOOPBACK}:{self.internal.grpc}", "triton_metrics": f"{LOOPBACK}:{self.internal.metrics}",
             "http_port": options.http_port, "grpc_port": options.grpc_port, "metrics_port": options.metrics_port,
-            "listen_address": options.listen_address}, indent=2))
+            "listen_address": options.listen_address, "model_repository": str(options.model_repository.resolve()),
+            "shm_prefix": self.shm_prefix}, indent=2))
         self.supervisor = threading.Thread(target=self._supervise, name="supervisor", daemon=True)
         self._supervising = threading.Event()
 
@@ -374,6 +375,29 @@ class Launcher:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class RunningServer:
+    """A launcher started elsewhere (another process, another interpreter), found through its state
+    folder: the same endpoints and control client as a ``Launcher``, without owning the processes."""
+
+    def __init__(self, state_dir: Path):
+        self.state_dir = Path(state_dir)
+        state = json.loads((self.state_dir / "server.json").read_text())
+        self.control = ControlClient.from_state(self.state_dir)
+        self.key = self.control.key
+        host = state["listen_address"] if state["listen_address"] not in ("0.0.0.0", "::") else "localhost"
+        self.http_url, self.grpc_url = f"{host}:{state['http_port']}", f"{host}:{state['grpc_port']}"
+        self.metrics_url = f"http://{host}:{state['metrics_port']}/metrics"
+        self.shm_prefix = state["shm_prefix"]
+        self.options = ServerOptions(model_repository=Path(state["model_repository"]), http_port=state["http_port"],
+                                     grpc_port=state["grpc_port"], metrics_port=state["metrics_port"])
+
+    def url(self, protocol: str) -> str:
+        return self.http_url if protocol == "http" else self.grpc_url
+
+    def stop(self) -> None:
+        """Not ours to stop."""
 
 
 def start_on_free_ports(model_repository: Path, log_path: Path, extra_args: list[str] | None = None,

@@ -1,0 +1,47 @@
+"""python -m repo_builder --target embedded|gpu [--project-root DIR] [--output model_repository] [part flags]"""
+
+import argparse
+from pathlib import Path
+
+from .compute import TARGETS
+from .part import ROOT_ENV, BuildContext, find_project_root
+from .parts import PARTS
+from .repository import build_repository
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m repo_builder", description=__doc__)
+    parser.add_argument("--target", choices=TARGETS, default="embedded")
+    parser.add_argument("--project-root", type=Path,
+                        help=f"the project (python_models/, ensembles/, data/); default ${ROOT_ENV}, else the "
+                             f"working directory or a parent of it")
+    parser.add_argument("--output", type=Path, help="default: <project root>/model_repository")
+    parser.add_argument("--parts", default=",".join(PARTS),
+                        help=f"comma-separated pipelines to build (default: all of {','.join(PARTS)})")
+    for part in PARTS.values():
+        part.add_arguments(parser)
+    return parser
+
+
+def parse_context(argv=None) -> tuple[BuildContext, list]:
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    names = [n for n in args.parts.split(",") if n]
+    unknown = sorted(set(names) - set(PARTS))
+    if unknown:
+        parser.error(f"unknown parts {unknown}; known: {list(PARTS)}")
+    try:
+        root = find_project_root(args.project_root)
+    except FileNotFoundError as error:
+        parser.error(str(error))
+    output = (args.output or root / "model_repository").resolve()
+    context = BuildContext(target=args.target, output=output, args=args, root=root)
+    return context, [PARTS[name] for name in names]
+
+
+def main(argv=None) -> None:
+    build_repository(*parse_context(argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,186 @@
+"""One description per compute model; its Triton config for each target is generated from it.
+
+Targets:
+- ``embedded``: the Python backend runs the ONNX file with ONNX Runtime on the CPU
+  (``python_models/onnx_runtime_runner``), because the embedded tritonserver has no ORT backend.
+- ``gpu``: the native ``onnxruntime_onnx`` backend on ``KIND_GPU`` (the NGC container); per model,
+  ``gpu_backend`` may instead choose ONNX Runtime with the TensorRT execution accelerator
+  (``onnxruntime_trt``) or a TensorRT engine (``tensorrt_plan``, built by ``trtexec_args()``).
+Name, tensors, max batch size and dynamic batching are identical in both (on the embedded target,
+inputs listed in ``embedded_cached_inputs`` are also optional: a BLS caller may name a cached copy).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from tritonclient.grpc import model_config_pb2 as mc
+
+TARGETS = ("embedded", "gpu")
+# How the gpu target serves a compute model (``ComputeModel.gpu_backend``).
+GPU_BACKENDS = ("onnxruntime_onnx", "onnxruntime_trt", "tensorrt_plan")
+# onnxruntime_trt: parameters of the onnxruntime backend's "tensorrt" gpu_execution_accelerator.
+# The engine cache lives outside the (read-only) repository; docker-compose mounts a volume there.
+TRT_ACCELERATOR_PARAMETERS = (("precision_mode", "FP16"), ("max_workspace_size_bytes", str(1 << 30)),
+                              ("trt_engine_cache_enable", "1"), ("trt_engine_cache_path", "/trt_cache"))
+
+
+@dataclass(frozen=True)
+class QueuePolicy:
+    """Back-pressure: at most ``max_queue_size`` requests wait (more are refused at once with
+    UNAVAILABLE, "Exceeds maximum queue size"); one that waited ``timeout_ms`` is refused then
+    ("Request timeout expired"). A client may ask for a shorter wait (the request's timeout)."""
+    max_queue_size: int
+    timeout_ms: int
+
+    def apply(self, batching: mc.ModelDynamicBatching) -> None:
+        policy = batching.default_queue_policy
+        policy.timeout_action = mc.ModelQueuePolicy.REJECT
+        policy.default_timeout_microseconds = self.timeout_ms * 1000
+        policy.allow_timeout_override = True
+        policy.max_queue_size = self.max_queue_size
+
+
+# Realtime: a short queue (about a second of work on the embedded target's 2 cores).
+REALTIME_QUEUE = QueuePolicy(max_queue_size=128, timeout_ms=2000)
+# Throughput class: callers accept waiting for big batches, not forever.
+BATCH_QUEUE = QueuePolicy(max_queue_size=512, timeout_ms=20000)
+
+
+@dataclass(frozen=True)
+class LatencyVariant:
+    """Another configuration of a compute model's weights, served as ``<name>_<suffix>``
+    (see ``variants.py``): the model itself is the ``realtime`` class."""
+    suffix: str
+    preferred_batch_sizes: tuple[int, ...]
+    max_queue_delay_microseconds: int
+    preserve_ordering: bool = True
+    queue: QueuePolicy = BATCH_QUEUE
+
+
+# The throughput ("batch") class every compute model gets unless its description says otherwise.
+BATCH_VARIANT = LatencyVariant("batch", preferred_batch_sizes=(16, 32), max_queue_delay_microseconds=20000)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    data_type: str  # a ModelConfig DataType name, e.g. "TYPE_FP32"
+    dims: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ComputeModel:
+    name: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    max_batch_size: int
+    export_onnx: Callable[[Path], None] = field(compare=False, repr=False)
+    # Identity of the architecture and weights: with the name and tensors, the content hash that
+    # decides re-export (``content_hash``); every other field only changes configs.
+    source_key: str = ""
+    preferred_batch_sizes: tuple[int, ...] = ()
+    max_queue_delay_microseconds: int = 0
+    queue: QueuePolicy = REALTIME_QUEUE
+    embedded_cpu_threads: int = 2
+    gpu_instances: int = 1
+    # gpu target only: one of GPU_BACKENDS, and the batch size the TensorRT optimization profile
+    # is tuned for (0: max_batch_size).
+    gpu_backend: str = "onnxruntime_onnx"
+    trt_opt_batch_size: int = 0
+    preserve_ordering: bool = False
+    latency_variants: tuple[LatencyVariant, ...] = (BATCH_VARIANT,)
+    # Canary: versions loaded together (version_policy specific); version N > 1 is derived from
+    # version 1's ONNX by the named build in ``variants.VERSION_BUILDS`` ((2, "int8_dynamic"), ...).
+    extra_versions: tuple[tuple[int, str], ...] = ()
+    # embedded target only: inputs the ONNX Runtime runner keeps between a BLS caller's calls
+    # (``onnx_runner.InputCache``). They stay in the config with their dims, marked optional, so a
+    # caller may send them once and then name them by key instead of copying them on every call.
+    embedded_cached_inputs: tuple[str, ...] = ()
+
+    @property
+    def versions(self) -> tuple[int, ...]:
+        return (1,) + tuple(number for number, _ in self.extra_versions)
+
+    def content_hash(self, *extra: str) -> str:
+        """What the exported ONNX depends on (not batching, backends or variants) plus ``extra``."""
+        identity = repr((self.name, self.inputs, self.outputs, self.max_batch_size, self.source_key))
+        digest = hashlib.sha256()
+        for part in (identity, *extra):
+            digest.update(part.encode())
+            digest.update(b"\0")
+        return digest.hexdigest()
+
+    def config(self, target: str) -> mc.ModelConfig:
+        if target not in TARGETS:
+            raise ValueError(f"unknown target {target!r}; choose one of {TARGETS}")
+        config = mc.ModelConfig(name=self.name, max_batch_size=self.max_batch_size)
+        for spec, tensors in ((self.inputs, config.input), (self.outputs, config.output)):
+            for tensor in spec:
+                tensors.add(name=tensor.name, data_type=mc.DataType.Value(tensor.data_type), dims=tensor.dims)
+        batching = config.dynamic_batching
+        batching.SetInParent()
+        batching.preferred_batch_size.extend(self.preferred_batch_sizes)
+        batching.max_queue_delay_microseconds = self.max_queue_delay_microseconds
+        batching.preserve_ordering = self.preserve_ordering
+        self.queue.apply(batching)
+        if self.extra_versions:
+            config.version_policy.specific.versions.extend(self.versions)
+        if target == "embedded":
+            config.backend = "python"
+            config.instance_group.add(kind=mc.ModelInstanceGroup.KIND_CPU, count=1)
+            config.parameters["onnx_file"].string_value = "model.onnx"
+            config.parameters["intra_op_threads"].string_value = str(self.embedded_cpu_threads)
+            if self.embedded_cached_inputs:
+                unknown = set(self.embedded_cached_inputs) - {t.name for t in self.inputs}
+                if unknown:
+                    raise ValueError(f"{self.name}: embedded_cached_inputs names unknown inputs {sorted(unknown)}")
+                for tensor in config.input:
+                    tensor.optional = tensor.name in self.embedded_cached_inputs
+                config.parameters["cached_inputs"].string_value = ",".join(self.embedded_cached_inputs)
+        else:
+            self._gpu_backend_config(config)
+            config.instance_group.add(kind=mc.ModelInstanceGroup.KIND_GPU, count=self.gpu_instances)
+        return config
+
+    def _gpu_backend_config(self, config: mc.ModelConfig) -> None:
+        if self.gpu_backend not in GPU_BACKENDS:
+            raise ValueError(f"{self.name}: unknown gpu_backend {self.gpu_backend!r}; choose one of {GPU_BACKENDS}")
+        if self.gpu_backend == "tensorrt_plan":
+            self.trtexec_args()  # static shapes are required
+            config.platform = "tensorrt_plan"
+            config.default_model_filename = "model.plan"
+            return
+        config.platform = "onnxruntime_onnx"
+        config.default_model_filename = "model.onnx"
+        if self.gpu_backend == "onnxruntime_trt":
+            accelerator = config.optimization.execution_accelerators.gpu_execution_accelerator.add(name="tensorrt")
+            for key, value in TRT_ACCELERATOR_PARAMETERS:
+                accelerator.parameters[key] = value
+            # ORT-TRT builds an engine for the batch sizes it has seen and rebuilds when a larger one
+            # arrives; warming up with 1 and max_batch_size builds the [1, max] profile at load time.
+            if all(d > 0 for t in self.inputs for d in t.dims):
+                for batch_size in (1, self.max_batch_size):
+                    warmup = config.model_warmup.add(name=f"batch_{batch_size}", batch_size=batch_size)
+                    for tensor in self.inputs:
+                        data = warmup.inputs[tensor.name]
+                        data.data_type = mc.DataType.Value(tensor.data_type)
+                        data.dims.extend(tensor.dims)
+                        data.zero_data = True
+
+    def trtexec_args(self) -> list[str]:
+        """trtexec flags turning ``model.onnx`` into an FP16 ``model.plan`` whose optimization profile
+        covers batch 1 .. max_batch_size (``docker/build_trt_engines.sh`` runs them)."""
+        opt = self.trt_opt_batch_size or self.max_batch_size
+        shapes = {"min": 1, "opt": min(opt, self.max_batch_size), "max": self.max_batch_size}
+        for tensor in self.inputs:
+            if any(d <= 0 for d in tensor.dims):
+                raise ValueError(f"{self.name}: tensorrt_plan needs static non-batch dims, "
+                                 f"{tensor.name} has {list(tensor.dims)}")
+        return ["--fp16"] + [
+            f"--{kind}Shapes=" + ",".join(
+                f"{t.name}:{'x'.join(str(d) for d in (batch, *t.dims))}" for t in self.inputs)
+            for kind, batch in shapes.items()]

@@ -1,0 +1,124 @@
+"""Assemble a Triton model repository for one target.
+
+Layout written to ``output``::
+
+    <model>/config.pbtxt            generated (compute) or copied from python_models/, ensembles/
+    <model>/1/model.onnx            compute models (exported once, re-exported when their hash changes)
+    <model>/1/model.py              Python models (and, on the embedded target, compute runners)
+    <model>/1/<assets>              tokenizer.json, prototypes, label files ...
+    .built                          JSON: target and the list of models
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import shutil
+import time
+from importlib.metadata import version
+from pathlib import Path
+
+from .compute import ComputeModel
+from .files import is_fresh, mark_fresh, read_config, replace_dir, write_config
+from .part import BuildContext, Part
+from .variants import EnsembleVariants, build_extra_versions, build_latency_variants, build_python_latency_variants
+
+
+
+def onnx_runner(context: BuildContext) -> Path:
+    return context.root / "python_models" / "onnx_runtime_runner" / "model.py"
+
+
+def log(message: str) -> None:
+    print(f"[repo_builder] {message}", flush=True)
+
+
+def build_compute_model(model: ComputeModel, context: BuildContext) -> list[str]:
+    """The model (and its canary versions), then its latency-class variants; returns their names."""
+    model_dir = context.output / model.name
+    # The exporter's whole module is hashed: a change to export code re-exports its models.
+    exporter_source = Path(inspect.getsourcefile(model.export_onnx)).read_text()
+    key = model.content_hash(version("torch"), version("transformers"), exporter_source)
+    onnx_dir = model_dir / "1"
+    if not is_fresh(model_dir, key):
+        started = time.monotonic()
+        replace_dir(model_dir, lambda tmp: _export(model, tmp))
+        mark_fresh(model_dir, key)
+        log(f"{model.name}: exported ONNX in {time.monotonic() - started:.1f} s")
+    else:
+        log(f"{model.name}: up to date")
+    write_config(model_dir / "config.pbtxt", model.config(context.target))
+    runner = onnx_dir / "model.py"
+    if context.target == "embedded":
+        shutil.copy2(onnx_runner(context), runner)
+    elif runner.exists():
+        runner.unlink()
+    # gpu + tensorrt_plan: the trtexec flags for docker/build_trt_engines.sh, which writes model.plan.
+    trtexec_args = onnx_dir / "trtexec.args"
+    if context.target == "gpu" and model.gpu_backend == "tensorrt_plan":
+        trtexec_args.write_text("\n".join(model.trtexec_args()) + "\n")
+    elif trtexec_args.exists():
+        trtexec_args.unlink()
+    build_extra_versions(model, context, onnx_runner(context), log)
+    return [model.name] + build_latency_variants(model, context, onnx_runner(context))
+
+
+def _export(model: ComputeModel, model_dir: Path) -> None:
+    (model_dir / "1").mkdir(parents=True)
+    model.export_onnx(model_dir / "1" / "model.onnx")
+
+
+def build_python_model(name: str, part: Part, context: BuildContext) -> None:
+    source = context.root / "python_models" / name
+    model_dir = context.output / name
+    version_dir = model_dir / "1"
+    version_dir.mkdir(parents=True, exist_ok=True)
+    config = read_config(source / "config.pbtxt")
+    part.patch_config(config, context)
+    write_config(model_dir / "config.pbtxt", config)
+    shutil.copy2(source / "model.py", version_dir / "model.py")
+    part.write_assets(name, version_dir, context)
+
+
+def build_ensemble(name: str, part: Part, context: BuildContext) -> None:
+    model_dir = context.output / name
+    config = read_config(context.root / "ensembles" / name / "config.pbtxt")
+    part.patch_config(config, context)
+    write_config(model_dir / "config.pbtxt", config)
+    (model_dir / "1").mkdir(exist_ok=True)  # Triton needs a version folder, even an empty one
+
+
+def build_repository(context: BuildContext, parts: list[Part]) -> list[str]:
+    started = time.monotonic()
+    context.output.mkdir(parents=True, exist_ok=True)
+    built: list[str] = []
+    compute_models: list[ComputeModel] = []
+    for part in parts:
+        for model in part.compute_models(context):
+            for other in parts:  # e.g. the router's route file adds canary versions
+                model = other.adjust_compute_model(model, context)
+            built.extend(build_compute_model(model, context))
+            compute_models.append(model)
+    for part in parts:
+        for name in part.python_models:
+            build_python_model(name, part, context)
+            built.append(name)
+        for name in part.ensembles:
+            build_ensemble(name, part, context)
+            built.append(name)
+    python_variants = {name: variants for part in parts for name, variants in part.python_latency_variants.items()}
+    for name, variants in python_variants.items():
+        built.extend(build_python_latency_variants(name, variants, context))
+    # Latency-class and canary variants of the ensembles (see variants.py).
+    built.extend(EnsembleVariants(context, compute_models, [n for p in parts for n in p.ensembles],
+                                  python_variants).build())
+    for stale in sorted(p for p in context.output.iterdir() if p.is_dir() and p.name not in built):
+        if (stale / "config.pbtxt").exists():
+            log(f"removing {stale.name}: no longer built")
+            shutil.rmtree(stale)
+    rows = [row for part in parts for row in part.model_table(context)]
+    (context.output / ".built").write_text(json.dumps(
+        {"target": context.target, "models": built, "model_table": rows}, indent=2))
+    log(f"{context.target} repository at {context.output}: {len(built)} models "
+        f"in {time.monotonic() - started:.1f} s")
+    return built

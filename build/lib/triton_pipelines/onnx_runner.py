@@ -1,0 +1,154 @@
+"""Batch execution of an ONNX model for the embedded target's compute models.
+
+The embedded ``tritonserver`` build has no ONNX Runtime backend, so each compute model runs as a
+Python-backend model with the same name, tensors and batching as the native one. Triton hands the
+Python backend the dynamic batch as a list of requests; this class runs them as one ONNX Runtime
+call per group of equal trailing shapes (with length buckets that is one group), then splits the
+outputs back per request.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from .errors import InputError
+
+
+class OnnxBatchRunner:
+    def __init__(self, model_path: Path | str, intra_op_threads: int = 0,
+                 output_names: Sequence[str] | None = None, pad_ragged: bool = False):
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = intra_op_threads
+        options.inter_op_num_threads = 1
+        self.session = ort.InferenceSession(str(model_path), options, providers=["CPUExecutionProvider"])
+        self.input_names = [i.name for i in self.session.get_inputs()]
+        self.output_names = list(output_names or [o.name for o in self.session.get_outputs()])
+        # Ragged batching (config: allow_ragged_batch on the inputs): requests of different
+        # sequence lengths are zero-padded on axis 1 into one batch, and outputs that carry that
+        # axis are cut back to each request's length. Only for models whose padding is masked.
+        self.pad_ragged = pad_ragged
+
+    def run(self, requests: Sequence[Mapping[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
+        """``requests[i]`` maps input name → array with a leading batch axis; returns the same
+        structure for outputs, in request order."""
+        results: list[dict[str, np.ndarray] | None] = [None] * len(requests)
+        if self.pad_ragged and len(requests) > 1:
+            return self._run_padded(requests)
+        groups: dict[tuple, list[int]] = {}
+        for index, request in enumerate(requests):
+            signature = tuple(request[name].shape[1:] for name in self.input_names)
+            groups.setdefault(signature, []).append(index)
+        for indices in groups.values():
+            sizes = [requests[i][self.input_names[0]].shape[0] for i in indices]
+            if len(indices) == 1:
+                feeds = dict(requests[indices[0]])
+            else:
+                feeds = {name: np.concatenate([requests[i][name] for i in indices]) for name in self.input_names}
+            outputs = self.session.run(self.output_names, {n: feeds[n] for n in self.input_names})
+            offsets = np.cumsum([0] + sizes)
+            for position, index in enumerate(indices):
+                start, stop = offsets[position], offsets[position + 1]
+                results[index] = {name: out[start:stop] for name, out in zip(self.output_names, outputs)}
+        return results  # type: ignore[return-value]
+
+    def _run_padded(self, requests: Sequence[Mapping[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
+        lengths = [request[self.input_names[0]].shape[1] for request in requests]
+        longest = max(lengths)
+        feeds = {}
+        for name in self.input_names:
+            parts = [r[name] if r[name].shape[1] == longest else
+                     np.pad(r[name], [(0, 0), (0, longest - r[name].shape[1])] + [(0, 0)] * (r[name].ndim - 2))
+                     for r in requests]
+            feeds[name] = np.concatenate(parts)
+        outputs = self.session.run(self.output_names, feeds)
+        offsets = np.cumsum([0] + [r[self.input_names[0]].shape[0] for r in requests])
+        results = []
+        for position, length in enumerate(lengths):
+            start, stop = offsets[position], offsets[position + 1]
+            results.append({name: out[start:stop, :length] if out.ndim > 1 and out.shape[1] == longest
+                            else out[start:stop] for name, out in zip(self.output_names, outputs)})
+        return results
+
+
+# In the error for a key this model instance does not hold (another instance, or evicted): a
+# caller that sees it sends the inputs again.
+NOT_CACHED = "is not cached here"
+
+
+class InputCache:
+    """Inputs a caller sends once and then names by key, for the embedded target's compute models.
+
+    On the embedded target every BLS call copies its input tensors from the caller's stub into the
+    callee's stub (both Python-backend processes). For the Whisper decoder that is the cross-attention
+    K/V (tiny: 18 MB per window) on every greedy step, for tensors that do not change between steps.
+    With a cache, the first step carries them with a key; later steps carry only the key, plus the
+    rows still running (the caller's row numbers, a subset of the stored ones, ascending).
+    The cache belongs to one model instance: with several, a step may reach one that does not hold
+    the key, and the caller sends the inputs again (``NOT_CACHED``).
+
+    A key names a caller's slot, not one call: storing under a key replaces what was there, so a
+    caller that decodes one batch at a time holds at most one entry. At most ``max_entries`` keys
+    are kept (least recently used first out)."""
+
+    def __init__(self, names: Sequence[str], max_entries: int = 8):
+        self.names = tuple(names)
+        self.max_entries = max_entries
+        self._entries: dict[str, tuple[np.ndarray, dict[str, np.ndarray]]] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def resolve(self, key: str, given: Mapping[str, np.ndarray], rows: Sequence[int] | None = None
+                ) -> dict[str, np.ndarray]:
+        """The cached inputs for this call. With ``given`` (all cached names present): store them
+        under ``key`` (``rows``: the caller's numbers for their rows, default 0..n-1) and return
+        them. Without: the stored arrays for ``key``, cut to ``rows``. Raises InputError for a
+        partial set, an unknown key (message contains ``NOT_CACHED``) or rows that were not stored."""
+        wanted = None if rows is None else np.asarray(rows, dtype=np.int64)
+        if wanted is not None and (wanted.size == 0 or np.any(np.diff(wanted) <= 0)):
+            raise InputError(f"input cache key {key!r}: rows {wanted.tolist()} are not ascending and non-empty")
+        present = [name for name in self.names if name in given]
+        if present:
+            if len(present) != len(self.names):
+                missing = sorted(set(self.names) - set(present))
+                raise InputError(f"input cache key {key!r}: send all cached inputs or none; missing {missing}")
+            count = len(given[self.names[0]])
+            if wanted is not None and len(wanted) != count:
+                raise InputError(f"input cache key {key!r}: {len(wanted)} rows named for {count} rows sent")
+            self._entries.pop(key, None)  # free the slot's previous batch before copying this one
+            arrays = {name: np.array(given[name], copy=True) for name in self.names}
+            self._store(key, np.arange(count) if wanted is None else wanted, arrays)
+            return arrays
+        if key not in self._entries:
+            raise InputError(f"input cache key {key!r} {NOT_CACHED}: send {list(self.names)} with it first")
+        stored_rows, arrays = self._entries.pop(key)
+        self._entries[key] = (stored_rows, arrays)  # most recently used last
+        if wanted is None or (len(wanted) == len(stored_rows) and np.array_equal(wanted, stored_rows)):
+            return arrays
+        if not np.isin(wanted, stored_rows).all():
+            raise InputError(f"input cache key {key!r}: rows {wanted.tolist()} are not a subset of "
+                             f"the cached rows {stored_rows.tolist()}")
+        positions = np.searchsorted(stored_rows, wanted)
+        # Finished rows leave for good: keep only the running ones (the gather happens once).
+        arrays = {name: np.ascontiguousarray(value[positions]) for name, value in arrays.items()}
+        self._store(key, wanted, arrays)
+        return arrays
+
+    def _store(self, key: str, rows: np.ndarray, arrays: dict[str, np.ndarray]) -> None:
+        self._entries.pop(key, None)
+        self._entries[key] = (rows, arrays)
+        while len(self._entries) > self.max_entries:
+            del self._entries[next(iter(self._entries))]
+
+
+def parse_rows(text: str) -> list[int]:
+    """``"0,2,5"`` (a request parameter) → ``[0, 2, 5]``."""
+    try:
+        return [int(value) for value in text.split(",") if value.strip()]
+    except ValueError:
+        raise InputError(f"input cache rows must be comma-separated integers, got {text!r}") from None

@@ -1,0 +1,423 @@
+"""Speech pipeline logic: audio bytes → 16 kHz mono → Whisper log-mel windows, the Whisper
+tokenizer (tiktoken, offline), and greedy decoding of the ``whisper_encoder``/``whisper_decoder``
+ONNX pair.
+
+Everything here is plain numpy (plus soundfile, soxr, tiktoken, onnxruntime for the in-process
+reference); the Triton models ``audio_features`` and ``whisper_decode`` are thin adapters over it.
+
+Greedy decoding (``GreedyBatch``) is the same state machine in Triton (one BLS call to
+``whisper_decoder`` per step) and in process (``WhisperOnnx.decode_windows``): every window starts from
+the prompt ``<|startoftranscript|><|lang|><|task|><|notimestamps|>``; each step feeds the new
+tokens and the self-attention cache, takes the argmax over the text tokens plus
+``<|endoftext|>`` (other special tokens are suppressed), and a window leaves the batch at
+``<|endoftext|>`` or after ``max_new_tokens``.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from .errors import InputError
+
+SAMPLE_RATE = 16000
+N_FFT = 400
+HOP_LENGTH = 160
+WINDOW_SECONDS = 30
+WINDOW_SAMPLES = WINDOW_SECONDS * SAMPLE_RATE  # 480000
+N_FRAMES = WINDOW_SAMPLES // HOP_LENGTH  # 3000
+# Whisper's text context is 448 positions; 4 go to the prompt.
+MAX_TARGET_POSITIONS = 448
+PROMPT_LENGTH = 4
+# Longer audio is refused before its samples are decoded (documented in docs/speech.md).
+MAX_AUDIO_SECONDS = 300.0
+MAX_AUDIO_BYTES = 64 * 1024 * 1024
+# Decoding work is channels × rate × seconds, read from the header before decoding: 300 s of 48 kHz
+# stereo. A small FLAC of 8 channels at 192 kHz would otherwise decode to GBs.
+MAX_DECODED_SAMPLES = 300 * 48000 * 2
+# Decoded and downmixed a block at a time: memory stays at the mono signal's size.
+DECODE_BLOCK_FRAMES = 1 << 18
+
+# openai-whisper's LANGUAGES keys, in token order (large-v3 adds "yue": 100 languages).
+LANGUAGE_CODES = (
+    "en zh de es ru ko fr ja pt tr pl ca nl ar sv it id hi fi vi he uk el ms cs ro da hu ta no th ur "
+    "hr bg lt la mi ml cy sk te fa lv bn sr az sl kn et mk br eu is hy ne mn bs kk sq sw gl mr pa si "
+    "km sn yo so af oc ka be tg sd gu am yi lo uz fo ht ps tk nn mt sa lb my bo tl mg as tt haw ln "
+    "ha ba jw su yue"
+).split()
+TASKS = ("transcribe", "translate")
+
+
+# ---------------------------------------------------------------------------------------------
+# Audio
+
+
+def decode_audio(data: bytes, index: int = 0, input_name: str = "audio",
+                 max_seconds: float = MAX_AUDIO_SECONDS, max_bytes: int = MAX_AUDIO_BYTES,
+                 max_decoded_samples: int = MAX_DECODED_SAMPLES) -> np.ndarray:
+    """Encoded WAV/FLAC/OGG bytes → float32 mono samples at 16 kHz.
+
+    Any sample format soundfile reads (8/16/24/32-bit PCM, float), any channel count (averaged),
+    any sample rate (resampled with soxr, high quality). Raises InputError naming the element
+    and the problem for empty, undecodable, sample-less, non-finite or too long audio.
+    """
+    import soundfile
+    import soxr
+
+    where = f"input '{input_name}'[{index}]"
+    if len(data) == 0:
+        raise InputError(f"{where} is empty (0 bytes): send an encoded WAV, FLAC or OGG file")
+    if len(data) > max_bytes:
+        raise InputError(f"{where} is {len(data)} bytes; the limit is {max_bytes} bytes")
+    try:
+        with soundfile.SoundFile(io.BytesIO(data)) as handle:
+            rate, frames = handle.samplerate, handle.frames
+            if frames <= 0:
+                raise InputError(f"{where} contains no audio samples")
+            if frames / rate > max_seconds:
+                raise InputError(f"{where} is {frames / rate:.1f} s long; the limit is {max_seconds:g} s")
+            channels = handle.channels
+            if channels * frames > max_decoded_samples:
+                raise InputError(
+                    f"{where} decodes to {channels * frames} samples ({channels} channels × {rate} Hz × "
+                    f"{frames / rate:.1f} s); the limit is {max_decoded_samples} (300 s of 48 kHz stereo)")
+            mono = np.empty(frames, dtype=np.float32)
+            filled = 0
+            for block in handle.blocks(blocksize=DECODE_BLOCK_FRAMES, dtype="float32", always_2d=True):
+                count = min(len(block), frames - filled)
+                block = block[:count]
+                mono[filled:filled + count] = block.mean(axis=1, dtype=np.float32) if channels > 1 else block[:, 0]
+                filled += count
+            mono = mono[:filled]
+    except InputError:
+        raise
+    except Exception as error:  # soundfile.LibsndfileError, RuntimeError, EOFError ...
+        raise InputError(f"{where} is not a decodable audio file (WAV, FLAC or OGG): {error}") from None
+    if mono.shape[0] == 0:
+        raise InputError(f"{where} contains no audio samples")
+    if not np.isfinite(mono).all():
+        raise InputError(f"{where} contains NaN or infinite samples")
+    if rate != SAMPLE_RATE:
+        mono = soxr.resample(mono, rate, SAMPLE_RATE, quality="HQ").astype(np.float32)
+    return np.ascontiguousarray(mono, dtype=np.float32)
+
+
+def split_windows(audio: np.ndarray) -> list[np.ndarray]:
+    """30 s windows (the last one shorter); at least one window, even for a very short clip."""
+    count = max(1, -(-len(audio) // WINDOW_SAMPLES))
+    return [audio[i * WINDOW_SAMPLES:(i + 1) * WINDOW_SAMPLES] for i in range(count)]
+
+
+def load_mel_filters(path: Path | str, n_mels: int) -> np.ndarray:
+    """``mel_filters.npz`` from openai-whisper's assets (librosa's slaney filters, 80 or 128)."""
+    with np.load(path, allow_pickle=False) as filters:
+        return filters[f"mel_{n_mels}"].astype(np.float32)
+
+
+_HANN = (0.5 - 0.5 * np.cos(2 * np.pi * np.arange(N_FFT) / N_FFT)).astype(np.float64)  # periodic
+
+
+def log_mel_spectrogram(window: np.ndarray, filters: np.ndarray) -> np.ndarray:
+    """One window of 16 kHz audio (≤ 30 s) → ``[n_mels, 3000]`` float32, as Whisper computes it:
+    zero-pad to 30 s, centered STFT (reflect padding, periodic Hann, n_fft 400, hop 160), drop the
+    last frame, power → mel → log10 (floor 1e-10), clamp to max - 8, then (x + 4) / 4."""
+    audio = np.zeros(WINDOW_SAMPLES, dtype=np.float64)
+    audio[:min(len(window), WINDOW_SAMPLES)] = window[:WINDOW_SAMPLES]
+    padded = np.pad(audio, N_FFT // 2, mode="reflect")
+    frames = np.lib.stride_tricks.sliding_window_view(padded, N_FFT)[::HOP_LENGTH][:N_FRAMES]
+    power = np.abs(np.fft.rfft(frames * _HANN, axis=-1)) ** 2  # [3000, 201]
+    mel = filters.astype(np.float64) @ power.T
+    log_spec = np.log10(np.maximum(mel, 1e-10))
+    log_spec = np.maximum(log_spec, log_spec.max() - 8.0)
+    return ((log_spec + 4.0) / 4.0).astype(np.float32)
+
+
+def audio_to_features(data: bytes, filters: np.ndarray, index: int = 0, **limits) -> np.ndarray:
+    """Encoded audio → ``[windows, n_mels, 3000]`` float32."""
+    audio = decode_audio(data, index=index, **limits)
+    return np.stack([log_mel_spectrogram(w, filters) for w in split_windows(audio)])
+
+
+def pad_windows(features: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Per-item ``[windows_i, n_mels, 3000]`` → ``[items, max windows, n_mels, 3000]`` (zero
+    windows after each item's own) and ``windows_i`` as int32 ``[items]``."""
+    if not features:
+        raise InputError("input 'audio' is an empty batch: send at least one audio file")
+    counts = np.array([len(f) for f in features], dtype=np.int32)
+    stacked = np.zeros((len(features), int(counts.max()), *features[0].shape[1:]), dtype=np.float32)
+    for item, windows in enumerate(features):
+        stacked[item, :len(windows)] = windows
+    return stacked, counts
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizer
+
+
+class WhisperTokenizer:
+    """The multilingual Whisper vocabulary, built exactly as ``whisper/tokenizer.py`` builds it,
+    from ``multilingual.tiktoken`` on disk (no download)."""
+
+    def __init__(self, vocab_file: Path | str, num_languages: int = 99):
+        import tiktoken
+
+        ranks = {}
+        with open(vocab_file) as handle:
+            for line in handle:
+                if line.strip():
+                    token, rank = line.split()
+                    ranks[base64.b64decode(token)] = int(rank)
+        self.languages = LANGUAGE_CODES[:num_languages]
+        specials = ["<|endoftext|>", "<|startoftranscript|>", *[f"<|{code}|>" for code in self.languages],
+                    "<|translate|>", "<|transcribe|>", "<|startoflm|>", "<|startofprev|>", "<|nospeech|>",
+                    "<|notimestamps|>", *[f"<|{i * 0.02:.2f}|>" for i in range(1501)]]
+        n_vocab = len(ranks)
+        special_tokens = {}
+        for token in specials:
+            special_tokens[token] = n_vocab
+            n_vocab += 1
+        self.encoding = tiktoken.Encoding(
+            name=Path(vocab_file).name, explicit_n_vocab=n_vocab,
+            pat_str=r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""",
+            mergeable_ranks=ranks, special_tokens=special_tokens)
+        self.special = special_tokens
+        self.n_vocab = n_vocab
+        self.eot = special_tokens["<|endoftext|>"]
+        self.sot = special_tokens["<|startoftranscript|>"]
+        self.no_timestamps = special_tokens["<|notimestamps|>"]
+
+    @classmethod
+    def for_vocab_size(cls, vocab_file: Path | str, vocab_size: int) -> "WhisperTokenizer":
+        """51865 (tiny ... large-v2: 99 languages) or 51866 (large-v3: 100)."""
+        return cls(vocab_file, num_languages=vocab_size - 51865 + 99)
+
+    def prompt(self, language: str = "en", task: str = "transcribe") -> list[int]:
+        """``<|startoftranscript|><|language|><|task|><|notimestamps|>``; InputError for an unknown
+        language code or task."""
+        if language not in self.languages:
+            raise InputError(f"unknown language {language!r}: use a Whisper language code such as 'en', 'de', 'fr'")
+        if task not in TASKS:
+            raise InputError(f"unknown task {task!r}: use 'transcribe' or 'translate'")
+        return [self.sot, self.special[f"<|{language}|>"], self.special[f"<|{task}|>"], self.no_timestamps]
+
+    def encode(self, text: str) -> list[int]:
+        return self.encoding.encode(text)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of the text tokens (special tokens dropped)."""
+        return self.encoding.decode([int(i) for i in ids if int(i) < self.eot])
+
+
+# ---------------------------------------------------------------------------------------------
+# Greedy decoding
+
+
+def suppress_mask(vocab_size: int, eot: int) -> np.ndarray:
+    """Additive mask over the logits: every special token except ``<|endoftext|>`` is suppressed
+    (the prompt already fixed language/task, and timestamps are off)."""
+    mask = np.zeros(vocab_size, dtype=np.float32)
+    mask[eot + 1:] = -np.inf
+    return mask
+
+
+@dataclass
+class GreedyBatch:
+    """Greedy token selection for a batch of windows that share one prompt length; the caller
+    owns the tensors (self-attention cache, cross K/V) and runs the decoder.
+
+    Each step: ``logits [rows, vocab]`` for the rows in ``active`` → ``advance`` appends each row's
+    argmax (special tokens other than ``<|endoftext|>`` suppressed) and returns the rows to keep
+    when some window finished (``<|endoftext|>`` or ``max_new_tokens``), else ``None``: the caller
+    then gathers those rows of its cache and cross K/V. With ``compact=False`` finished windows
+    stay in the batch (their tokens are ignored) and ``advance`` always returns ``None``: for a
+    device where gathering rows costs more than carrying them.
+    """
+
+    prompts: np.ndarray  # [N, prompt_length] int64
+    eot: int
+    max_new_tokens: int | np.ndarray  # one bound, or one per window
+    mask: np.ndarray  # [vocab] additive
+    compact: bool = True
+    tokens: list[list[int]] = field(init=False)
+    active: np.ndarray = field(init=False)  # window index of each row
+    next_ids: np.ndarray = field(init=False)  # [rows, T] int64: the decoder's next input_ids
+    steps: int = field(init=False, default=0)
+
+    def __post_init__(self):
+        count = len(self.prompts)
+        self.tokens = [[] for _ in range(count)]
+        self.active = np.arange(count)
+        self._finished = np.zeros(count, dtype=bool)
+        self.next_ids = np.ascontiguousarray(self.prompts, dtype=np.int64)
+        self._bounds = np.broadcast_to(np.asarray(self.max_new_tokens, dtype=np.int64), (count,))
+        self._finished[self._bounds <= 0] = True
+
+    @property
+    def done(self) -> bool:
+        return bool(self._finished.all())
+
+    def advance(self, logits: np.ndarray) -> np.ndarray | None:
+        chosen = np.argmax(logits + self.mask, axis=-1).astype(np.int64)
+        keep = []
+        for row, (window, token) in enumerate(zip(self.active, chosen)):
+            if self._finished[window]:
+                continue
+            token = int(token)
+            if token == self.eot:
+                self._finished[window] = True
+                continue
+            self.tokens[window].append(token)
+            if len(self.tokens[window]) >= self._bounds[window]:
+                self._finished[window] = True
+            else:
+                keep.append(row)
+        self.steps += 1
+        if not self.compact or len(keep) == len(self.active):
+            self.next_ids = chosen.reshape(-1, 1)
+            return None
+        rows = np.asarray(keep, dtype=np.int64)
+        self.active = self.active[rows]
+        self.next_ids = chosen[rows].reshape(-1, 1)
+        return rows
+
+
+def cross_names(layers: int) -> list[str]:
+    return [name for i in range(layers) for name in (f"cross_key_{i}", f"cross_value_{i}")]
+
+
+@dataclass(frozen=True)
+class DecoderShape:
+    layers: int
+    heads: int
+    head_dim: int
+    vocab_size: int
+    n_mels: int
+
+    @classmethod
+    def from_sessions(cls, encoder, decoder) -> "DecoderShape":
+        """Read the architecture from the ONNX graphs' static dims."""
+        inputs = {i.name: i.shape for i in decoder.get_inputs()}
+        layers = sum(1 for name in inputs if name.startswith("cross_key_"))
+        _, heads, head_dim, _ = inputs["cross_key_0"]
+        vocab = decoder.get_outputs()[0].shape[1]
+        n_mels = encoder.get_inputs()[0].shape[1]
+        return cls(layers, int(heads), int(head_dim), int(vocab), int(n_mels))
+
+
+def group_windows(window_tokens: Sequence[list[int]], windows_per_item: Sequence[int]) -> list[list[list[int]]]:
+    """Flat per-window token lists → per item, that item's windows."""
+    result, start = [], 0
+    for count in windows_per_item:
+        result.append(list(window_tokens[start:start + count]))
+        start += count
+    return result
+
+
+def text_values(raw: np.ndarray | None, count: int, input_name: str, default: str) -> list[str]:
+    """An optional ``[items, 1]`` BYTES input → one lower-cased string per item (the default where
+    the input is absent or an element is empty)."""
+    if raw is None:
+        return [default] * count
+    flat = raw.reshape(-1)
+    if flat.size != count:
+        raise InputError(f"input '{input_name}' has {flat.size} elements for {count} audio items")
+    values = []
+    for index, item in enumerate(flat):
+        data = item if isinstance(item, bytes) else str(item).encode()
+        try:
+            text = data.decode("utf-8").strip().lower()
+        except UnicodeDecodeError:
+            raise InputError(f"input '{input_name}'[{index}] is not valid UTF-8") from None
+        values.append(text or default)
+    return values
+
+
+@dataclass
+class DecodeJob:
+    """One ``whisper_decode`` request: its real windows, their prompts and its token bound."""
+
+    features: np.ndarray  # [windows, n_mels, 3000]
+    prompts: np.ndarray  # [windows, 4] int64
+    max_new_tokens: np.ndarray  # [windows] int64
+    windows_per_item: list[int]
+
+
+def plan_request(tokenizer: WhisperTokenizer, features: np.ndarray, num_windows: np.ndarray | None,
+                 language: np.ndarray | None = None, task: np.ndarray | None = None,
+                 max_new_tokens: np.ndarray | None = None, default_language: str = "en",
+                 default_task: str = "transcribe", default_max_new_tokens: int = 224) -> DecodeJob:
+    """Validate one request's tensors (``features [items, windows, n_mels, 3000]``) → DecodeJob.
+    ``max_new_tokens`` may lower the configured bound, never raise it past Whisper's 444."""
+    items, padded = features.shape[0], features.shape[1]
+    counts = [padded] * items if num_windows is None else [int(c) for c in num_windows.reshape(-1)]
+    if len(counts) != items or any(c < 1 or c > padded for c in counts):
+        raise InputError(f"input 'num_windows' must hold one count in 1..{padded} per item, got {counts}")
+    limit = MAX_TARGET_POSITIONS - PROMPT_LENGTH
+    bounds = [min(default_max_new_tokens, limit)] * items
+    if max_new_tokens is not None:
+        values = max_new_tokens.reshape(-1)
+        if values.size != items or not all(1 <= int(v) <= limit for v in values):
+            raise InputError(f"input 'max_new_tokens' must hold one value in 1..{limit} per item, "
+                             f"got {values.tolist()}")
+        bounds = [int(v) for v in values]
+    languages = text_values(language, items, "language", default_language)
+    tasks = text_values(task, items, "task", default_task)
+    prompts = [tokenizer.prompt(lang, t) for lang, t in zip(languages, tasks)]
+    if all(count == padded for count in counts):  # no padding windows: a view, not a copy
+        windows = features.reshape(-1, *features.shape[2:])
+    else:
+        windows = np.concatenate([features[i, :counts[i]] for i in range(items)])
+    windows = windows.astype(np.float32, copy=False)
+    per_window = lambda values: [v for i, v in enumerate(values) for _ in range(counts[i])]  # noqa: E731
+    return DecodeJob(windows, np.array(per_window(prompts), dtype=np.int64),
+                     np.array(per_window(bounds), dtype=np.int64), counts)
+
+
+def join_transcript(tokenizer: WhisperTokenizer, tokens: Sequence[list[int]]) -> str:
+    """Windows' texts, stripped and joined by one space."""
+    return " ".join(text for text in (tokenizer.decode(t).strip() for t in tokens) if text)
+
+
+class WhisperOnnx:
+    """In-process reference: the same two ONNX graphs in ONNX Runtime, same greedy state machine.
+    Used by the tests (token equality with Triton) and by the benchmark's baseline."""
+
+    def __init__(self, encoder_onnx: Path | str, decoder_onnx: Path | str, intra_op_threads: int = 0):
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = intra_op_threads
+        options.inter_op_num_threads = 1
+        self.encoder = ort.InferenceSession(str(encoder_onnx), options, providers=["CPUExecutionProvider"])
+        self.decoder = ort.InferenceSession(str(decoder_onnx), options, providers=["CPUExecutionProvider"])
+        self.shape = DecoderShape.from_sessions(self.encoder, self.decoder)
+        self.cross_names = cross_names(self.shape.layers)
+
+    def encode(self, features: np.ndarray) -> dict[str, np.ndarray]:
+        outputs = self.encoder.run(self.cross_names, {"input_features": features.astype(np.float32)})
+        return dict(zip(self.cross_names, outputs))
+
+    def decode_windows(self, features: np.ndarray, prompts: np.ndarray, eot: int,
+                       max_new_tokens: int | np.ndarray) -> list[list[int]]:
+        """``features [N, n_mels, 3000]`` and ``prompts [N, 4]`` → generated ids per window."""
+        return self.decode_encoded(self.encode(features), prompts, eot, max_new_tokens)
+
+    def decode_encoded(self, cross: dict[str, np.ndarray], prompts: np.ndarray, eot: int,
+                       max_new_tokens: int | np.ndarray) -> list[list[int]]:
+        """Greedy decoding from the encoder's cross K/V (``encode``)."""
+        shape = self.shape
+        state = GreedyBatch(prompts, eot, max_new_tokens, suppress_mask(shape.vocab_size, eot))
+        past = np.zeros((len(prompts), 2 * shape.layers, shape.heads, 0, shape.head_dim), dtype=np.float32)
+        while not state.done:
+            logits, past = self.decoder.run(["logits", "present_self_kv"],
+                                            {"input_ids": state.next_ids, "past_self_kv": past, **cross})
+            rows = state.advance(logits)
+            if rows is not None:
+                past = past[rows]
+                cross = {name: np.ascontiguousarray(value[rows]) for name, value in cross.items()}
+        return state.tokens
