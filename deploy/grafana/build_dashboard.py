@@ -199,7 +199,7 @@ def model_rows(layout: Layout) -> None:
     ], "currencyUSD", "USD per hour at the current rate (router_gateway_cost_usd_total).")
     layout.stat("Gateway spend, last hour, against the budget", [
         ("sum(model:router_gateway_cost_usd:increase1h)", "spent"),
-        ("router_gateway:budget_usd_per_hour", "budget"),
+        ("router_gateway:budget_usd_per_hour:constant", "budget"),
     ], "currencyUSD", "GatewaySpendOverBudget fires when the spend stays over the budget for 5 min.")
     layout.timeseries("Gateway circuit breakers", [
         ("model:router_gateway_circuit_open:max", "{{model}}"),
