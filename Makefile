@@ -8,11 +8,11 @@ BENCH_INSTALLED := $(VENV)/.bench-installed
 TARGET ?= embedded
 BUILD_FLAGS ?=
 
-.PHONY: install repository serve test bench clean
+.PHONY: install repository serve test bench clean prometheus-tools dashboard k8s-rules
 
 install: $(INSTALLED)
 
-$(INSTALLED): requirements.txt requirements-nodeps.txt pyproject.toml
+$(INSTALLED): requirements.txt requirements-nodeps.txt requirements-ops.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch==2.13.0 first and pinned: an unpinned torch would pull a multi-GB CUDA build.
@@ -29,8 +29,23 @@ repository: install
 serve: repository
 	$(PY) -m triton_pipelines.launcher --model-repository model_repository
 
-test: repository
+test: repository prometheus-tools
 	$(PY) -m pytest -ra
+
+# promtool and prometheus for the monitoring tests (tests/test_prometheus*.py): Debian's package
+# (2.42 on bookworm). Its post-install may start the system service: stop it, the tests start
+# their own on free loopback ports.
+prometheus-tools:
+	@if ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null; then \
+	  (apt-get install -y -q --no-install-recommends prometheus || \
+	   (apt-get update -q && apt-get install -y -q --no-install-recommends prometheus)) && \
+	  if [ -x /etc/init.d/prometheus ]; then /etc/init.d/prometheus stop >/dev/null 2>&1 || true; fi; fi
+
+# Regenerate the generated monitoring files after editing their sources (tests fail when stale).
+dashboard: install
+	$(PY) deploy/grafana/build_dashboard.py
+k8s-rules: install
+	$(PY) deploy/k8s/render_prometheusrule.py
 
 # perf_analyzer needs Debian's libb64 and libcudart.so.12 (from PyPI) even without a GPU.
 $(BENCH_INSTALLED): $(INSTALLED) requirements-bench.txt
