@@ -54,6 +54,7 @@ ROUTER_GATEWAY = {"router_gateway_tokens_total": "counter", "router_gateway_cost
 ANNOUNCED = {
     "router_gateway_circuit_open": "gauge",
     "launcher_tritonserver_restarts_total": "counter",
+    "launcher_proxy_restarts_total": "counter",
     "launcher_stub_restarts_total": "counter",
     "launcher_model_ready": "gauge",
 }

@@ -60,7 +60,7 @@ def test_queries_read_recorded_series_or_known_raw_metrics(dashboard):
         assert not names - known, f"{title}: unknown metrics {sorted(names - known)} in {expr}"
         raw_reads |= names - recorded
     # Raw reads are the exceptions: scrape health and restarts over 1 h.
-    assert raw_reads == {"up", "launcher_tritonserver_restarts_total"}
+    assert raw_reads == {"up", "launcher_tritonserver_restarts_total", "launcher_proxy_restarts_total"}
 
 
 def test_every_panel_uses_the_provisioned_datasource(dashboard):

@@ -253,3 +253,17 @@ def test_adapter_query_runs_on_the_real_series(loaded):
     ((labels, value),) = loaded.wait_for(query, lambda v: True).items()
     assert dict(labels).keys() == {"instance"}
     assert 0 <= value < 10
+
+
+def test_health_rules_on_the_launchers_metrics(loaded, triton_server):
+    """With the launcher's metrics on the endpoint (the supervisor's launcher_* series): every
+    model is ready on this one pod, nothing restarted, and the health alerts stay quiet."""
+    exported = scrape(triton_server.metrics_url)
+    if "launcher_model_ready{" not in exported:
+        pytest.skip("this launcher exports no launcher_model_ready yet")
+    ready = loaded.wait_for("model_version:launcher_model_ready:sum", lambda v: len(v) >= 20)
+    assert all(x == 1 for x in ready.values()), {k: x for k, x in ready.items() if x != 1}
+    assert {dict(k)["model"] for k in ready} >= {"router", "text_encoder", *PIPELINES}
+    alerts = loaded.values('ALERTS{alertname=~"TritonModelNotReady|TritonStubRestarted|TritonServerRestarted|'
+                           'TritonProxyRestarted|TritonMetricsDown"}')
+    assert not alerts

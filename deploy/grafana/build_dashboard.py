@@ -213,8 +213,9 @@ def model_rows(layout: Layout) -> None:
     layout.timeseries("Python stub restarts (1 h)", [
         ("model:launcher_stub_restarts:increase1h > 0", "{{model}}"),
     ], "short")
-    layout.timeseries("tritonserver restarts (1 h)", [
-        ("sum by (instance) (increase(launcher_tritonserver_restarts_total[1h]))", "{{instance}}"),
+    layout.timeseries("tritonserver and proxy restarts (1 h)", [
+        ("sum by (instance) (increase(launcher_tritonserver_restarts_total[1h]))", "{{instance}} tritonserver"),
+        ("sum by (instance) (increase(launcher_proxy_restarts_total[1h]))", "{{instance}} nginx"),
     ], "short")
 
 
