@@ -8,11 +8,19 @@ BENCH_INSTALLED := $(VENV)/.bench-installed
 TARGET ?= embedded
 BUILD_FLAGS ?=
 
-.PHONY: install repository serve test bench clean prometheus-tools dashboard k8s-rules
+.PHONY: install repository serve test bench soak clean prometheus-tools dashboard k8s-rules
 
 install: $(INSTALLED)
 
+# Debian packages: nginx (the public front of the server, see src/triton_pipelines/proxy.py).
+SYSTEM_PACKAGES := nginx-core
+
 $(INSTALLED): requirements.txt requirements-nodeps.txt requirements-ops.txt pyproject.toml
+	@missing=""; for package in $(SYSTEM_PACKAGES); do \
+	  dpkg -s $$package >/dev/null 2>&1 || missing="$$missing $$package"; done; \
+	if [ -n "$$missing" ]; then \
+	  apt-get install -y -q --no-install-recommends $$missing || \
+	  (apt-get update -q && apt-get install -y -q --no-install-recommends $$missing); fi
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch==2.13.0 first and pinned: an unpinned torch would pull a multi-GB CUDA build.
@@ -60,6 +68,11 @@ BENCH_REPOSITORY := .bench/model_repository
 bench: $(BENCH_INSTALLED)
 	$(PY) -m repo_builder --target embedded --output $(BENCH_REPOSITORY) --with-bert-base $(BUILD_FLAGS)
 	BENCH_MODEL_REPOSITORY=$(BENCH_REPOSITORY) $(PY) -m benchmarks
+
+# Mixed traffic, hostile requests and injected faults for SOAK_SECONDS (default 600) → docs/reliability.md.
+SOAK_SECONDS ?= 600
+soak: repository
+	SOAK_SECONDS=$(SOAK_SECONDS) $(PY) -m benchmarks.soak
 
 clean:
 	rm -rf $(VENV) .cache .bench model_repository/*/

@@ -17,7 +17,7 @@ from triton_pipelines.launcher import start_on_free_ports
 ROOT = Path(__file__).resolve().parents[1]
 REPORT = ROOT / "docs" / "benchmarks.md"
 # Module name under benchmarks/ → its section in the report, in report order.
-BENCHMARKS = ["bench_text", "bench_vision", "bench_speech", "bench_router"]
+BENCHMARKS = ["bench_text", "bench_vision", "bench_speech", "bench_router", "bench_proxy"]
 
 HEADER = """# Benchmarks
 

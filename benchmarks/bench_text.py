@@ -71,8 +71,8 @@ def token_input_data(repository: Path, texts: list[str], length: int) -> Path:
 def length_strategies(server, data: Path) -> list[list]:
     """Same traffic at concurrency 16 under three ways to batch mixed lengths, each loaded by a
     config override (Triton's model-load API); the served configs are loaded back afterwards."""
-    client = TritonClient("http", server.http_url).client
-    tokenizer, encoder = client.get_model_config("text_tokenizer"), client.get_model_config("text_encoder")
+    control = server.control
+    tokenizer, encoder = control.config("text_tokenizer"), control.config("text_encoder")
     default_buckets = tokenizer["parameters"]["length_buckets"]["string_value"]
 
     def with_buckets(value):
@@ -86,9 +86,9 @@ def length_strategies(server, data: Path) -> list[list]:
 
     def load(tokenizer_config, encoder_config):
         # A load without a config would keep an earlier override: always name the config.
-        client.load_model("text_tokenizer", config=json.dumps(tokenizer_config))
-        client.load_model("text_encoder", config=json.dumps(encoder_config))
-        client.load_model("text_embedding")
+        control.load("text_tokenizer", config=tokenizer_config)
+        control.load("text_encoder", config=encoder_config)
+        control.load("text_embedding")
 
     strategies = [
         (f"length buckets ({default_buckets}) [default]", tokenizer, encoder),
@@ -103,7 +103,6 @@ def length_strategies(server, data: Path) -> list[list]:
             rows.append([label, row.throughput, row.p50_ms, row.p99_ms])
     finally:
         load(tokenizer, encoder)
-        client.close()
     return rows
 
 

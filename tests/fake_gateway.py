@@ -23,6 +23,7 @@ class Reply:
     prompt_tokens: int | None = 11
     completion_tokens: int | None = 7
     raw: bytes | None = None  # sent as-is (with status), e.g. b"not json"
+    headers: dict | None = None  # extra response headers, e.g. {"Retry-After": "1"}
 
 
 @dataclass
@@ -37,7 +38,9 @@ class FakeGateway:
         self.requests: list[Recorded] = []
         self.queue: list[Reply] = []
         self.default = Reply()
+        self.rules: list[tuple[str, Reply]] = []  # (text in the messages, its reply): before the queue
         self.lock = threading.Lock()
+        self.wake = threading.Event()
         gateway = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -55,9 +58,11 @@ class FakeGateway:
                     body = {"_raw": raw.decode("utf-8", "replace")}
                 with gateway.lock:
                     gateway.requests.append(Recorded(self.path, {k.lower(): v for k, v in self.headers.items()}, body))
-                    reply = gateway.queue.pop(0) if gateway.queue else gateway.default
+                    text = json.dumps(body.get("messages", ""))
+                    ruled = [reply for marker, reply in gateway.rules if marker in text]
+                    reply = ruled[0] if ruled else gateway.queue.pop(0) if gateway.queue else gateway.default
                 if reply.delay_s:
-                    time.sleep(reply.delay_s)
+                    gateway.wake.wait(reply.delay_s)  # a slow or hung gateway; reset() ends the wait
                 if reply.raw is not None:
                     payload, content_type = reply.raw, "application/json"
                 elif reply.status != 200:
@@ -70,6 +75,8 @@ class FakeGateway:
                     self.send_response(reply.status)
                     self.send_header("Content-Type", content_type)
                     self.send_header("Content-Length", str(len(payload)))
+                    for name, value in (reply.headers or {}).items():
+                        self.send_header(name, value)
                     self.end_headers()
                     self.wfile.write(payload)
                 except (BrokenPipeError, ConnectionResetError):  # the client timed out and left
@@ -105,9 +112,16 @@ class FakeGateway:
         with self.lock:
             self.queue = list(replies)
 
+    def when(self, marker: str, reply: Reply) -> None:
+        """Requests whose messages contain ``marker`` get ``reply`` (every time)."""
+        with self.lock:
+            self.rules.append((marker, reply))
+
     def reset(self) -> None:
         with self.lock:
-            self.queue, self.requests, self.default = [], [], Reply()
+            self.queue, self.requests, self.default, self.rules = [], [], Reply(), []
+            self.wake.set()  # replies still waiting (a hung gateway) end now
+            self.wake = threading.Event()
 
     def start(self) -> "FakeGateway":
         self.thread.start()

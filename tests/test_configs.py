@@ -109,7 +109,7 @@ def compose_launcher_options():
         raise SystemExit(0)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(launcher, "TritonProcess", record)
+        patch.setattr(launcher, "Launcher", record)
         patch.setattr(launcher.Path, "exists", lambda self: True)  # /models/.built is in the container
         with pytest.raises(SystemExit):
             launcher.main(command[3:])
@@ -117,6 +117,8 @@ def compose_launcher_options():
 
 
 def test_compose_runs_the_launcher_on_the_containers_server_with_valid_flags():
+    from triton_pipelines import launcher
+
     options = compose_launcher_options()
     assert options.tritonserver == Path("/opt/tritonserver/bin/tritonserver")
     assert options.backend_dir == Path("/opt/tritonserver/backends")
@@ -125,8 +127,19 @@ def test_compose_runs_the_launcher_on_the_containers_server_with_valid_flags():
                                env=server_environment(), capture_output=True, text=True)
     known = set(re.findall(r"^\s+(--[a-z0-9-]+)", help_text.stdout + help_text.stderr, re.M))
     assert "--model-control-mode" in known
-    flags = {arg.split("=")[0] for arg in server_command(options)[1:]}
+    command = server_command(options, launcher.InternalPorts(1, 2, 3), key="k" * 20, shm_prefix="p_")
+    flags = {arg.split("=")[0] for arg in command[1:]}
     assert flags <= known, flags - known
+
+
+def test_container_serves_behind_nginx_as_a_non_root_user_on_every_address():
+    dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
+    serving = dockerfile.split(" AS builder")[0]
+    assert "nginx-core" in serving and "USER triton-server" in serving
+    command = compose()["services"]["triton"]["command"]
+    assert command[command.index("--listen-address") + 1] == "0.0.0.0"
+    healthcheck = compose()["services"]["triton"]["healthcheck"]["test"]
+    assert "localhost:8000/v2/health/ready" in healthcheck  # nginx → the launcher's readiness
 
 
 def test_compose_gives_the_drain_time_before_sigkill():

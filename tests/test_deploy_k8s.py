@@ -118,6 +118,7 @@ def test_deployment_runs_the_compose_command_with_gpu_shm_and_probes():
     compose = load_yaml(PROJECT_ROOT / "docker-compose.yml")["services"]["triton"]
     assert triton["command"] == compose["command"]
     assert triton["image"] == compose["image"]
+    assert set(compose["environment"]) <= {variable["name"] for variable in triton["env"]}
     assert {p["name"]: p["containerPort"] for p in triton["ports"]} == {"http": 8000, "grpc": 8001, "metrics": 8002}
     assert triton["resources"]["limits"]["nvidia.com/gpu"] == 1
     volumes = {v["name"]: v for v in pod["volumes"]}

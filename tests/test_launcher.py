@@ -12,7 +12,7 @@ import pytest
 
 from triton_pipelines import launcher
 from triton_pipelines.client import TritonClient, text_tensor
-from triton_pipelines.launcher import ServerOptions, server_command, start_on_free_ports
+from triton_pipelines.launcher import InternalPorts, ServerOptions, server_command, start_on_free_ports
 
 from .conftest import LOG_DIR, ensure_repository
 
@@ -27,11 +27,17 @@ def test_ports_come_from_flags_then_environment_then_defaults(monkeypatch):
     assert launcher._port(None, "TRITON_HTTP_PORT", 8000) == 8000
 
 
-def test_server_command_loads_every_model_in_explicit_mode():
+def test_server_command_loads_every_model_in_explicit_mode_on_loopback_with_restricted_control():
     command = server_command(ServerOptions(model_repository=Path("repo"), backend_dir=Path("b"),
-                                           http_port=1, grpc_port=2, metrics_port=3))
+                                           http_port=1, grpc_port=2, metrics_port=3),
+                             InternalPorts(11, 12, 13), key="k" * 20, shm_prefix="p_")
     assert "--model-control-mode=explicit" in command and "--load-model=*" in command
-    assert {"--http-port=1", "--grpc-port=2", "--metrics-port=3"} <= set(command)
+    # Triton itself listens on its own loopback ports; nginx owns the public ones (1, 2, 3).
+    assert {"--http-port=11", "--grpc-port=12", "--metrics-port=13", "--http-address=127.0.0.1",
+            "--grpc-address=127.0.0.1", "--metrics-address=127.0.0.1"} <= set(command)
+    apis = "model-repository,shared-memory,logging,trace:triton-control-key=" + "k" * 20
+    assert f"--http-restricted-api={apis}" in command and f"--grpc-restricted-protocol={apis}" in command
+    assert "--backend-config=python,shm-region-prefix-name=p_" in command
 
 
 def test_sigterm_lets_in_flight_requests_finish():
@@ -117,3 +123,48 @@ def test_cli_serves_on_environment_ports_and_stops_cleanly_on_ctrl_c():
     # saw the Ctrl-C itself.
     assert "successfully unloaded 'text_tokenizer'" in server_log
     assert "Signal (15) received" in server_log and "Signal (2) received" not in server_log
+
+
+def test_json_header_limit_pattern_matches_exactly_the_numbers_up_to_the_limit():
+    import re
+
+    from triton_pipelines.proxy import regex_at_most
+
+    for limit in (0, 1, 9, 10, 99, 100, 1234, 131072):
+        pattern = re.compile(regex_at_most(limit))
+        for n in list(range(0, 2000)) + [limit - 1, limit, limit + 1, 10 * limit + 7]:
+            assert bool(pattern.match(str(n))) == (0 <= n <= limit), (limit, n)
+        assert pattern.match("000" + str(limit)) and not pattern.match("") and not pattern.match("12a")
+
+
+def test_generated_nginx_config_is_valid_and_listens_where_asked(tmp_path):
+    import subprocess
+
+    from triton_pipelines.proxy import ProxyConfig, nginx_binary, render_config
+
+    for address in ("127.0.0.1", "0.0.0.0"):
+        config = ProxyConfig(listen_address=address, http_port=18000, grpc_port=18001, metrics_port=18002,
+                             triton_http_port=19000, triton_grpc_port=19001, status_port=19002,
+                             state_dir=tmp_path)
+        text = render_config(config)
+        assert f"listen {address}:18000 " in text and f"listen {address}:18001 http2 " in text
+        assert "server 127.0.0.1:19000;" in text and "client_max_body_size 131072;" in text
+        for name in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"):
+            (tmp_path / name).mkdir(exist_ok=True)
+        (tmp_path / "nginx.conf").write_text(text)
+        check = subprocess.run([nginx_binary(), "-t", "-q", "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf")],
+                               capture_output=True, text=True)
+        assert check.returncode == 0, check.stderr
+
+
+def test_control_key_comes_from_the_environment_or_is_generated(monkeypatch):
+    from triton_pipelines.control import KEY_ENV, resolve_key
+
+    monkeypatch.delenv(KEY_ENV, raising=False)
+    first, second = resolve_key(), resolve_key()
+    assert first != second and len(first) >= 32
+    monkeypatch.setenv(KEY_ENV, "operator-chosen-key-0123")
+    assert resolve_key() == "operator-chosen-key-0123"
+    monkeypatch.setenv(KEY_ENV, "short:bad")
+    with pytest.raises(ValueError, match="16 to 256 characters"):
+        resolve_key()

@@ -4,7 +4,9 @@ OpenAI-compatible server (real HTTP on 127.0.0.1)."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import email.utils
 import json
 import os
 import socket
@@ -16,7 +18,7 @@ import numpy as np
 import pytest
 
 from triton_pipelines.errors import InputError
-from triton_pipelines.gateway import API_KEY_ENV, BASE_URL_ENV, CircuitBreaker, GatewayClient
+from triton_pipelines.gateway import API_KEY_ENV, BASE_URL_ENV, CircuitBreaker, GatewayClient, retry_after_s
 from triton_pipelines.routing import (GatewaySettings, RouteError, Router, RouteTable, SplitFile, choose_model,
                                       choose_version, cost_usd, split_point, tensor_to_json)
 
@@ -156,7 +158,7 @@ def test_tensor_to_json_drops_the_batch_axis():
 
 # --------------------------------------------------------------------------- gateway client, real HTTP
 KEY = "sk-unit-" + os.urandom(8).hex()
-FAST = GatewaySettings(timeout_s=0.5, max_retries=2, backoff_s=0.01, circuit_failure_threshold=3,
+FAST = GatewaySettings(timeout_s=0.5, deadline_s=5.0, max_retries=2, backoff_s=0.01, circuit_failure_threshold=3,
                        circuit_reset_s=0.3)
 
 
@@ -170,8 +172,19 @@ def routed_for(router, payload, task="general_llm"):
     return router.prepare(task.encode(), json.dumps(payload).encode())
 
 
+def complete(client, routed, deadline_s=None):
+    """One call on a fresh event loop (the async HTTP client belongs to the loop it ran on)."""
+    async def once():
+        try:
+            return await client.complete(routed, deadline_s)
+        finally:
+            await client.close()
+
+    return asyncio.run(once())
+
+
 def test_gateway_sends_the_key_only_as_bearer_and_never_shows_it(router, fake, gateway_client):
-    completion = gateway_client.complete(routed_for(router, {"text": "hello", "tier": "cheapest"}))
+    completion = complete(gateway_client, routed_for(router, {"text": "hello", "tier": "cheapest"}))
     assert completion.text == "echo:deepseek-v3.2:hello" and (completion.input_tokens, completion.output_tokens) == (11, 7)
     (request,) = fake.requests
     assert request.path == "/v1/chat/completions" and request.headers["authorization"] == f"Bearer {KEY}"
@@ -179,18 +192,18 @@ def test_gateway_sends_the_key_only_as_bearer_and_never_shows_it(router, fake, g
     assert KEY not in repr(gateway_client)
     fake.script(Reply(status=401, raw=json.dumps({"error": {"message": f"invalid key {KEY}"}}).encode()))
     with pytest.raises(RouteError) as error:
-        gateway_client.complete(routed_for(router, {"text": "x"}))
+        complete(gateway_client, routed_for(router, {"text": "x"}))
     assert error.value.reason == "rejected" and KEY not in str(error.value) and "HTTP 401" in str(error.value)
 
 
 def test_gateway_retries_429_and_5xx_with_backoff(router, fake, gateway_client):
     fake.script(Reply(status=500), Reply(status=429))
-    completion = gateway_client.complete(routed_for(router, {"text": "x"}))
+    completion = complete(gateway_client, routed_for(router, {"text": "x"}))
     assert completion.attempts == 3 and len(fake.requests) == 3
     fake.reset()
     fake.script(Reply(status=503), Reply(status=503), Reply(status=503))
     with pytest.raises(RouteError, match=r"HTTP 503.*after 3 attempts") as error:
-        gateway_client.complete(routed_for(router, {"text": "x"}))
+        complete(gateway_client, routed_for(router, {"text": "x"}))
     assert error.value.reason == "upstream_status" and len(fake.requests) == 3
 
 
@@ -198,40 +211,79 @@ def test_gateway_timeout_garbage_and_missing_usage(router, fake, gateway_client)
     fake.script(*[Reply(delay_s=1.0)] * 3)
     started = time.monotonic()
     with pytest.raises(RouteError, match="did not answer within 0.5 s") as error:
-        gateway_client.complete(routed_for(router, {"text": "x"}))
+        complete(gateway_client, routed_for(router, {"text": "x"}))
     assert error.value.reason == "timeout" and time.monotonic() - started < 3.0
     fake.script(Reply(raw=b"this is not json"))
     with pytest.raises(RouteError) as error:
-        gateway_client.complete(routed_for(router, {"text": "x"}))
+        complete(gateway_client, routed_for(router, {"text": "x"}))
     assert error.value.reason == "bad_response"
     fake.script(Reply(prompt_tokens=None))
     with pytest.raises(RouteError, match="no usable token usage") as error:
-        gateway_client.complete(routed_for(router, {"text": "x"}))
+        complete(gateway_client, routed_for(router, {"text": "x"}))
 
 
-def test_gateway_unreachable_opens_the_circuit_then_recovers(router, fake):
+def test_one_deadline_bounds_every_attempt_and_backoff(router, fake):
+    """A hung gateway: 3 attempts of up to 0.5 s each would take 1.5 s; the request's own deadline
+    of 0.8 s ends it, the last attempt cut to what was left."""
+    fake.reset()
+    client = GatewayClient(FAST, {BASE_URL_ENV: fake.base_url, API_KEY_ENV: KEY})
+    fake.default = Reply(delay_s=30)
+    started = time.monotonic()
+    with pytest.raises(RouteError) as error:
+        complete(client, routed_for(router, {"text": "x"}), deadline_s=0.8)
+    elapsed = time.monotonic() - started
+    fake.reset()
+    assert error.value.reason == "timeout" and 0.75 < elapsed < 1.2, (elapsed, str(error.value))
+
+
+def test_retry_after_is_honoured_when_it_fits_and_refused_when_it_does_not(router, fake):
+    fake.reset()
+    client = GatewayClient(FAST, {BASE_URL_ENV: fake.base_url, API_KEY_ENV: KEY})
+    fake.script(Reply(status=429, headers={"Retry-After": "0.4"}))
+    started = time.monotonic()
+    assert complete(client, routed_for(router, {"text": "x"})).attempts == 2
+    assert time.monotonic() - started >= 0.4  # it waited as asked, not its own 10 ms backoff
+    fake.reset()
+    fake.script(Reply(status=503, headers={"Retry-After": "30"}))
+    started = time.monotonic()
+    with pytest.raises(RouteError, match="retry after 30.0 s would pass the request's deadline of 2 s"):
+        complete(client, routed_for(router, {"text": "x"}), deadline_s=2.0)
+    assert time.monotonic() - started < 0.5 and len(fake.requests) == 1  # failed at once, no wait
+
+
+def test_retry_after_header_forms():
+    assert retry_after_s({"retry-after": "2"}) == 2.0
+    assert retry_after_s({"retry-after-ms": "250"}) == 0.25
+    assert 9 < retry_after_s({"retry-after": email.utils.formatdate(time.time() + 10, usegmt=True)}) <= 10
+    assert retry_after_s({"retry-after": "soon"}) is None and retry_after_s({}) is None
+
+
+def test_gateway_unreachable_opens_that_models_circuit_then_recovers(router, fake):
     with socket.socket() as s:  # a port with nothing listening
         s.bind(("127.0.0.1", 0))
         dead_url = f"http://127.0.0.1:{s.getsockname()[1]}/v1"
     client = GatewayClient(FAST, {BASE_URL_ENV: dead_url, API_KEY_ENV: KEY})
     for _ in range(3):
         with pytest.raises(RouteError, match="unreachable") as error:
-            client.complete(routed_for(router, {"text": "x"}))
+            complete(client, routed_for(router, {"text": "x"}))
     started = time.monotonic()
     with pytest.raises(RouteError, match="circuit open") as error:
-        client.complete(routed_for(router, {"text": "x"}))
+        complete(client, routed_for(router, {"text": "x"}))
     assert error.value.reason == "circuit_open" and time.monotonic() - started < 0.05
+    assert client.breaker("gemini-2.5-flash").state == "open"
+    assert client.breaker("deepseek-v3.2").state == "closed"  # one breaker per upstream model
     client.base_url = fake.base_url  # the gateway comes back
-    client._client = None
+    fake.reset()
+    assert complete(client, routed_for(router, {"text": "x", "tier": "cheapest"})).text.startswith("echo:deepseek")
     time.sleep(0.35)
-    assert client.complete(routed_for(router, {"text": "x"})).text.startswith("echo:")
-    assert client.breaker.state == "closed"
+    assert complete(client, routed_for(router, {"text": "x"})).text.startswith("echo:")
+    assert client.breaker("gemini-2.5-flash").state == "closed"
 
 
 def test_gateway_not_configured_is_a_clear_error(router):
     client = GatewayClient(FAST, {})
     with pytest.raises(RouteError, match="not configured: set LLM_GATEWAY_BASE_URL and LLM_GATEWAY_API_KEY"):
-        client.complete(routed_for(router, {"text": "x"}))
+        complete(client, routed_for(router, {"text": "x"}))
 
 
 def test_vision_payload_becomes_an_image_message(router):

@@ -231,11 +231,11 @@ def test_binary_task_through_the_router_matches_its_ensemble(client, latency_cla
     assert_same_outputs(result["output"], client.infer(target, {field: text_tensor([data])}, outputs=outputs))
 
 
-def test_task_whose_ensemble_is_not_loaded_gets_a_clear_error(client):
+def test_task_whose_ensemble_is_not_loaded_gets_a_clear_error(client, triton_server):
     """Unload image_classification (both classes) for a moment: the router answers 503 naming it."""
     names = ["image_classification", "image_classification_batch"]
     for name in names:
-        client.client.unload_model(name)
+        triton_server.control.unload(name)
     try:
         for latency_class in ("realtime", "batch"):
             with pytest.raises(InferenceServerException) as error:
@@ -244,5 +244,5 @@ def test_task_whose_ensemble_is_not_loaded_gets_a_clear_error(client):
             assert "503" in str(error.value) or "UNAVAILABLE" in str(error.value)
     finally:
         for name in names:
-            client.client.load_model(name)
+            triton_server.control.load(name)
     assert all(client.is_model_ready(name) for name in names)

@@ -275,20 +275,20 @@ def test_embedded_decoder_keeps_cross_kv_between_steps_of_one_caller(client, ref
                    "missing inputs", "cross_key_0")
 
 
-def test_decoder_instance_without_the_cached_kv_gets_them_again(http_client, reference):
+def test_decoder_instance_without_the_cached_kv_gets_them_again(http_client, reference, triton_server):
     """A decoder instance that does not hold whisper_decode's cross K/V (another instance, or an
     evicted slot) answers 'not cached here' and whisper_decode sends them again for the running
     windows. With the decoder's cache at 0 entries every step takes that path: same tokens."""
-    decoder = http_client.client
-    original = decoder.get_model_config("whisper_decoder")
+    control = triton_server.control
+    original = control.config("whisper_decoder")
     config = json.loads(json.dumps(original))
     config["parameters"]["input_cache_entries"] = {"string_value": "0"}
-    decoder.load_model("whisper_decoder", config=json.dumps(config))
+    control.load("whisper_decoder", config=config)
     try:
         audios, bounds = [HELLO, MORNING], [7, 3]  # the second window leaves the batch early
         out = transcribe(http_client, audios, bounds)
         for row, audio, bound in zip(out["token_ids"], audios, bounds):
             assert ids_of(row) == reference.tokens(audio, max_new_tokens=bound)
     finally:
-        decoder.load_model("whisper_decoder", config=json.dumps(original))
-    assert "input_cache_entries" not in decoder.get_model_config("whisper_decoder")["parameters"]
+        control.load("whisper_decoder", config=original)
+    assert "input_cache_entries" not in control.config("whisper_decoder")["parameters"]

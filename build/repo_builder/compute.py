@@ -29,6 +29,28 @@ TRT_ACCELERATOR_PARAMETERS = (("precision_mode", "FP16"), ("max_workspace_size_b
 
 
 @dataclass(frozen=True)
+class QueuePolicy:
+    """Back-pressure: at most ``max_queue_size`` requests wait (more are refused at once with
+    UNAVAILABLE, "Exceeds maximum queue size"); one that waited ``timeout_ms`` is refused then
+    ("Request timeout expired"). A client may ask for a shorter wait (the request's timeout)."""
+    max_queue_size: int
+    timeout_ms: int
+
+    def apply(self, batching: mc.ModelDynamicBatching) -> None:
+        policy = batching.default_queue_policy
+        policy.timeout_action = mc.ModelQueuePolicy.REJECT
+        policy.default_timeout_microseconds = self.timeout_ms * 1000
+        policy.allow_timeout_override = True
+        policy.max_queue_size = self.max_queue_size
+
+
+# Realtime: a short queue (about a second of work on the embedded target's 2 cores).
+REALTIME_QUEUE = QueuePolicy(max_queue_size=128, timeout_ms=2000)
+# Throughput class: callers accept waiting for big batches, not forever.
+BATCH_QUEUE = QueuePolicy(max_queue_size=512, timeout_ms=20000)
+
+
+@dataclass(frozen=True)
 class LatencyVariant:
     """Another configuration of a compute model's weights, served as ``<name>_<suffix>``
     (see ``variants.py``): the model itself is the ``realtime`` class."""
@@ -36,6 +58,7 @@ class LatencyVariant:
     preferred_batch_sizes: tuple[int, ...]
     max_queue_delay_microseconds: int
     preserve_ordering: bool = True
+    queue: QueuePolicy = BATCH_QUEUE
 
 
 # The throughput ("batch") class every compute model gets unless its description says otherwise.
@@ -61,6 +84,7 @@ class ComputeModel:
     source_key: str = ""
     preferred_batch_sizes: tuple[int, ...] = ()
     max_queue_delay_microseconds: int = 0
+    queue: QueuePolicy = REALTIME_QUEUE
     embedded_cpu_threads: int = 2
     gpu_instances: int = 1
     # gpu target only: one of GPU_BACKENDS, and the batch size the TensorRT optimization profile
@@ -102,6 +126,7 @@ class ComputeModel:
         batching.preferred_batch_size.extend(self.preferred_batch_sizes)
         batching.max_queue_delay_microseconds = self.max_queue_delay_microseconds
         batching.preserve_ordering = self.preserve_ordering
+        self.queue.apply(batching)
         if self.extra_versions:
             config.version_policy.specific.versions.extend(self.versions)
         if target == "embedded":

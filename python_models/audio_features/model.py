@@ -18,7 +18,8 @@ class TritonPythonModel:
         version_dir = Path(args["model_repository"]) / args["model_version"]
         self.filters = load_mel_filters(version_dir / "mel_filters.npz", int(parameters["n_mels"]))
         self.limits = {"max_seconds": float(parameters["max_audio_seconds"]),
-                       "max_bytes": int(parameters["max_audio_bytes"])}
+                       "max_bytes": int(parameters["max_audio_bytes"]),
+                       "max_decoded_samples": int(parameters["max_decoded_samples"])}
 
     def execute(self, requests):
         responses = []

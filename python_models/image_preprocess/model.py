@@ -16,6 +16,7 @@ class TritonPythonModel:
         self.preprocessor = ImagePreprocessor(
             PreprocessConfig(max_image_bytes=int(parameters["max_image_bytes"]),
                              max_image_pixels=int(parameters["max_image_pixels"]),
+                             max_request_pixels=int(parameters["max_request_pixels"]),
                              jpeg_draft=parameters.get("jpeg_draft", "false").lower() in ("1", "true")),
             threads=int(parameters["decode_threads"]))
         labels = {"model": args["model_name"], "version": args["model_version"]}

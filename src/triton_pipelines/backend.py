@@ -4,16 +4,29 @@ from __future__ import annotations
 
 import json
 
-from .errors import InputError
+from .errors import INPUT_ERROR_PREFIX, InputError
+from .router_service import error_kind
+
+
+def response_error(reason: str, message: str):
+    """A ``pb_utils.TritonError`` for a failure reason (``router_service.error_kind``): bad input →
+    INVALID_ARG (HTTP 400 / gRPC INVALID_ARGUMENT), not now → UNAVAILABLE (503), else INTERNAL (500)."""
+    import triton_python_backend_utils as pb_utils
+
+    codes = {"invalid_input": pb_utils.TritonError.INVALID_ARG, "unavailable": pb_utils.TritonError.UNAVAILABLE,
+             "internal": pb_utils.TritonError.INTERNAL}
+    return pb_utils.TritonError(message, codes[error_kind(reason)])
 
 
 def error_response(error: Exception):
-    """One request's error response: a bad input is INVALID_ARG (HTTP 400 / gRPC INVALID_ARGUMENT),
-    anything else INTERNAL (500). The other requests of the batch are answered normally."""
+    """One request's error response: a bad input is INVALID_ARG with the message prefixed by
+    ``INPUT_ERROR_PREFIX``, anything else INTERNAL (500). The other requests of the batch are
+    answered normally."""
     import triton_python_backend_utils as pb_utils
 
-    code = pb_utils.TritonError.INVALID_ARG if isinstance(error, InputError) else pb_utils.TritonError.INTERNAL
-    return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(error), code))
+    if isinstance(error, InputError):
+        return pb_utils.InferenceResponse(error=response_error("invalid_input", INPUT_ERROR_PREFIX + str(error)))
+    return pb_utils.InferenceResponse(error=response_error("internal", str(error)))
 
 
 def model_parameters(args: dict) -> dict[str, str]:

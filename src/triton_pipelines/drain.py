@@ -14,10 +14,10 @@ BLS in its config: ``parameters { key: "bls_dependencies" value { string_value: 
 
 from __future__ import annotations
 
-import json
 import time
-import urllib.request
 from typing import Iterable, Mapping
+
+from .control import ControlClient
 
 
 def dependencies(config: Mapping) -> set[str]:
@@ -43,32 +43,17 @@ def unload_layers(calls: Mapping[str, set[str]]) -> list[list[str]]:
     return layers
 
 
-def _request(url: str, body: dict | None = None, timeout: float = 10) -> dict | list:
-    data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(url, data=data, method="POST" if data is not None else "GET")
-    with urllib.request.urlopen(request, timeout=timeout) as response:
-        payload = response.read()
-    return json.loads(payload) if payload else {}
-
-
-def drain(http_url: str, timeout_s: float = 30.0, poll_s: float = 0.1) -> list[list[str]]:
-    """Unload every loaded model top-down; returns the layers. Bounded by ``timeout_s``."""
-    base = f"http://{http_url}/v2"
+def drain(control: ControlClient, timeout_s: float = 30.0, poll_s: float = 0.1,
+          never_unloads: Iterable[str] = ()) -> list[list[str]]:
+    """Unload every loaded model top-down; returns the layers. Bounded by ``timeout_s``.
+    ``never_unloads``: models known to hold an instance Triton will not release (their unload is
+    asked for, not waited for)."""
     deadline = time.monotonic() + timeout_s
-    ready = [m["name"] for m in _request(f"{base}/repository/index", {"ready": True})]
-    calls = {name: dependencies(_request(f"{base}/models/{name}/config")) for name in ready}
+    ready = sorted({m["name"] for m in control.index(ready_only=True)})
+    calls = {name: dependencies(control.config(name)) for name in ready}
     layers = unload_layers(calls)
     for layer in layers:
         for name in layer:
-            _request(f"{base}/repository/models/{name}/unload", {})
-        _wait_unloaded(base, layer, deadline, poll_s)
+            control.unload(name)
+        control.wait_unloaded(set(layer) - set(never_unloads), deadline, poll_s)
     return layers
-
-
-def _wait_unloaded(base: str, names: Iterable[str], deadline: float, poll_s: float) -> None:
-    pending = set(names)
-    while pending and time.monotonic() < deadline:
-        states = {m["name"]: m.get("state", "") for m in _request(f"{base}/repository/index", {})}
-        pending = {n for n in pending if states.get(n) in ("READY", "UNLOADING", "LOADING")}
-        if pending:
-            time.sleep(poll_s)

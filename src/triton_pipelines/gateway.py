@@ -1,29 +1,38 @@
-"""The external route: an OpenAI-compatible gateway through the official ``openai`` client.
+"""The external route: an OpenAI-compatible gateway through the official ``openai`` client (async).
 
 - ``LLM_GATEWAY_BASE_URL`` and ``LLM_GATEWAY_API_KEY`` come from the environment, read when the
   router loads. Without both, every gateway task answers "not configured". The key is handed to
   the client and nothing else: it is never logged, never put in a result or an error message
   (``redact`` removes it from any upstream text we pass on).
-- Each attempt has a time-out (``timeout_s``); 429, 5xx, time-outs and connection errors are
-  retried at most ``max_retries`` times with exponential backoff; other 4xx are not retried.
-- A circuit breaker opens after ``circuit_failure_threshold`` consecutive failed calls and fails
-  fast for ``circuit_reset_s``; then one trial call decides (half-open).
+- Every routed request has ONE total deadline (``deadline_s`` of its task, else the gateway's):
+  attempts, backoff and a server's ``Retry-After`` all fit inside it; an attempt gets at most
+  ``timeout_s`` and never more than what is left. 429, 5xx, time-outs and connection errors are
+  retried at most ``max_retries`` times; other 4xx are not retried.
+- One circuit breaker per upstream model (the router runs one instance, so it is the breaker of the
+  whole server): it opens after ``circuit_failure_threshold`` consecutive failed calls of that
+  model and fails fast for ``circuit_reset_s``; then one trial call decides (half-open). A model
+  that fails does not close the road to the others.
 - Cost comes from the usage the gateway reports: no usage, no answer (an unaccountable call is an
   error rather than a free one).
 """
 
 from __future__ import annotations
 
+import asyncio
+import email.utils
 import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Awaitable, Callable, Mapping
 
 from .routing import GatewaySettings, RouteError, RoutedRequest
 
 BASE_URL_ENV = "LLM_GATEWAY_BASE_URL"
 API_KEY_ENV = "LLM_GATEWAY_API_KEY"
+# An attempt needs at least this long to be worth starting.
+MIN_ATTEMPT_S = 0.05
+RETRYABLE = ("timeout", "unreachable", "upstream_status")
 
 
 @dataclass
@@ -32,7 +41,6 @@ class Completion:
     input_tokens: int
     output_tokens: int
     attempts: int
-    latency_s: float
 
 
 class CircuitBreaker:
@@ -82,22 +90,47 @@ class CircuitBreaker:
                 self.opened_at = self.clock()
             self.trial_in_flight = False
 
+    def release_trial(self) -> None:
+        """A half-open trial that ended without a verdict (cancelled): let the next call try."""
+        with self._lock:
+            self.trial_in_flight = False
+
 
 def redact(text: str, secret: str | None) -> str:
     return text.replace(secret, "***") if secret else text
 
 
+def retry_after_s(headers) -> float | None:
+    """Seconds from ``Retry-After`` (seconds or an HTTP date) or ``retry-after-ms``; None if absent."""
+    if headers is None:
+        return None
+    try:
+        if headers.get("retry-after-ms"):
+            return max(0.0, float(headers["retry-after-ms"]) / 1000)
+        value = headers.get("retry-after")
+        if not value:
+            return None
+        try:
+            return max(0.0, float(value))
+        except ValueError:
+            when = email.utils.parsedate_to_datetime(value)
+            return max(0.0, when.timestamp() - time.time())
+    except (TypeError, ValueError, OverflowError):
+        return None
+
+
 class GatewayClient:
     def __init__(self, settings: GatewaySettings, environ: Mapping[str, str] | None = None,
-                 sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic):
+                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+                 clock: Callable[[], float] = time.monotonic):
         environ = os.environ if environ is None else environ
         self.settings = settings
         self.base_url = environ.get(BASE_URL_ENV, "").strip()
         self._api_key = environ.get(API_KEY_ENV, "").strip()
         self.sleep = sleep
-        self.breaker = CircuitBreaker(settings.circuit_failure_threshold, settings.circuit_reset_s, clock)
+        self.clock = clock
+        self.breakers: dict[str, CircuitBreaker] = {}
         self._client = None
-        self._client_lock = threading.Lock()
 
     def __repr__(self) -> str:  # never show the key
         return f"GatewayClient(base_url={self.base_url!r}, configured={self.configured})"
@@ -106,63 +139,99 @@ class GatewayClient:
     def configured(self) -> bool:
         return bool(self.base_url and self._api_key)
 
+    def breaker(self, model: str) -> CircuitBreaker:
+        if model not in self.breakers:
+            self.breakers[model] = CircuitBreaker(self.settings.circuit_failure_threshold,
+                                                  self.settings.circuit_reset_s, self.clock)
+        return self.breakers[model]
+
     def _openai(self):
-        with self._client_lock:
-            if self._client is None:
-                from openai import OpenAI
+        if self._client is None:
+            from openai import AsyncOpenAI
 
-                # Our own retries and breaker: the client's built-in retries are off.
-                self._client = OpenAI(base_url=self.base_url, api_key=self._api_key,
-                                      timeout=self.settings.timeout_s, max_retries=0)
-            return self._client
+            # Our own retries, deadline and breaker: the client's built-in retries are off.
+            self._client = AsyncOpenAI(base_url=self.base_url, api_key=self._api_key,
+                                       timeout=self.settings.timeout_s, max_retries=0)
+        return self._client
 
-    def complete(self, routed: RoutedRequest) -> Completion:
-        """One chat completion with retries; raises RouteError (reason: not_configured,
-        circuit_open, timeout, unreachable, upstream_status, rejected, bad_response)."""
+    async def complete(self, routed: RoutedRequest, deadline_s: float | None = None) -> Completion:
+        """One chat completion with retries, all within ``deadline_s``; raises RouteError (reason:
+        not_configured, circuit_open, timeout, unreachable, upstream_status, rejected, bad_response)."""
         if not self.configured:
             raise RouteError("not_configured",
                              f"the external gateway is not configured: set {BASE_URL_ENV} and {API_KEY_ENV} "
                              f"in the server's environment to serve task {routed.task}")
-        if not self.breaker.allow():
-            raise RouteError("circuit_open", f"the external gateway is failing: circuit open, calls fail fast "
-                                             f"for another {self.breaker.retry_in_s():.1f} s")
-        started = time.monotonic()
+        breaker = self.breaker(routed.target)
+        if not breaker.allow():
+            raise RouteError("circuit_open", f"the external gateway is failing for model {routed.target}: circuit "
+                                             f"open, calls fail fast for another {breaker.retry_in_s():.1f} s")
+        budget = deadline_s if deadline_s is not None else self.settings.deadline_s
+        deadline = self.clock() + budget
         attempts = 0
-        while True:
-            attempts += 1
-            try:
-                text, input_tokens, output_tokens = self._call(routed)
-            except RouteError as error:
-                retryable = error.reason in ("timeout", "unreachable", "upstream_status")
-                if retryable and attempts <= self.settings.max_retries:
-                    self.sleep(min(self.settings.backoff_s * 2 ** (attempts - 1), self.settings.max_backoff_s))
-                    continue
-                if error.reason == "rejected":
-                    self.breaker.record_success()  # the gateway is up; the request was refused
-                else:
-                    self.breaker.record_failure()
-                suffix = f" (after {attempts} attempts)" if attempts > 1 else ""
-                raise RouteError(error.reason, f"{error}{suffix}") from None
-            self.breaker.record_success()
-            return Completion(text, input_tokens, output_tokens, attempts, time.monotonic() - started)
+        verdict = False
+        try:
+            while True:
+                attempts += 1
+                remaining = deadline - self.clock()
+                try:
+                    if remaining < MIN_ATTEMPT_S:
+                        raise RouteError("timeout", f"no answer within the request's deadline of {budget:g} s")
+                    attempt_s = min(self.settings.timeout_s, remaining)
+                    text, input_tokens, output_tokens = await self._attempt(routed, attempt_s)
+                except RouteError as error:
+                    wait = self._backoff(error, attempts)
+                    left = deadline - self.clock()
+                    if error.reason in RETRYABLE and attempts <= self.settings.max_retries and wait is not None:
+                        if wait + MIN_ATTEMPT_S <= left:
+                            await self.sleep(wait)
+                            continue
+                        error = RouteError(error.reason, f"{error}; a retry after {wait:.1f} s would pass the "
+                                                         f"request's deadline of {budget:g} s")
+                    if error.reason == "rejected":
+                        breaker.record_success()  # the gateway is up; the request was refused
+                    else:
+                        breaker.record_failure()
+                    verdict = True
+                    suffix = f" (after {attempts} attempts)" if attempts > 1 else ""
+                    raise RouteError(error.reason, f"{error}{suffix}") from None
+                breaker.record_success()
+                verdict = True
+                return Completion(text, input_tokens, output_tokens, attempts)
+        finally:
+            if not verdict:  # cancelled (the router's own deadline, a shutdown): no verdict on the gateway
+                breaker.release_trial()
 
-    def _call(self, routed: RoutedRequest) -> tuple[str, int, int]:
+    def _backoff(self, error: RouteError, attempts: int) -> float | None:
+        exponential = min(self.settings.backoff_s * 2 ** (attempts - 1), self.settings.max_backoff_s)
+        asked = getattr(error, "retry_after_s", None)
+        return exponential if asked is None else max(asked, 0.0)
+
+    async def _attempt(self, routed: RoutedRequest, timeout_s: float) -> tuple[str, int, int]:
+        try:
+            # wait_for as well: the client's timeout covers each network phase, not the whole call.
+            return await asyncio.wait_for(self._call(routed, timeout_s), timeout_s + 0.05)
+        except asyncio.TimeoutError:
+            raise RouteError("timeout", f"the gateway did not answer within {timeout_s:g} s") from None
+
+    async def _call(self, routed: RoutedRequest, timeout_s: float) -> tuple[str, int, int]:
         import openai
 
         arguments = {"model": routed.target, "messages": routed.messages, "max_tokens": routed.max_tokens}
         if routed.temperature is not None:
             arguments["temperature"] = routed.temperature
         try:
-            response = self._openai().chat.completions.create(**arguments)
+            response = await self._openai().chat.completions.create(**arguments, timeout=timeout_s)
         except openai.APITimeoutError:
-            raise RouteError("timeout", f"the gateway did not answer within {self.settings.timeout_s:g} s") from None
+            raise RouteError("timeout", f"the gateway did not answer within {timeout_s:g} s") from None
         except openai.APIConnectionError:
             raise RouteError("unreachable", "the gateway is unreachable (connection failed)") from None
         except openai.APIStatusError as error:
             status = error.status_code
             detail = redact(str(getattr(error, "message", "") or "")[:300], self._api_key)
             if status == 429 or status >= 500:
-                raise RouteError("upstream_status", f"the gateway answered HTTP {status}: {detail}") from None
+                failure = RouteError("upstream_status", f"the gateway answered HTTP {status}: {detail}")
+                failure.retry_after_s = retry_after_s(getattr(error.response, "headers", None))
+                raise failure from None
             raise RouteError("rejected", f"the gateway refused the request: HTTP {status}: {detail}") from None
         except openai.APIResponseValidationError:
             raise RouteError("bad_response", "the gateway's answer is not a chat completion") from None
@@ -170,6 +239,11 @@ class GatewayClient:
             raise RouteError("bad_response", f"the gateway's answer could not be read "
                                              f"({type(error).__name__})") from None
         return parse_completion(response)
+
+    async def close(self) -> None:
+        if self._client is not None:
+            client, self._client = self._client, None
+            await client.close()
 
 
 def parse_completion(response) -> tuple[str, int, int]:

@@ -1,4 +1,4 @@
-"""Run ``tritonserver`` 2.51 on a model repository, in the foreground, with our flags.
+"""Run ``tritonserver`` 2.51 on a model repository, behind nginx, supervised, in the foreground.
 
 Embedded (default; no Docker, no GPU): the binary shipped in ``nvidia-pytriton``, with a backend
 directory laid out from the wheel's Python backend and the stub built for this interpreter.
@@ -6,10 +6,20 @@ directory laid out from the wheel's Python backend and the stub built for this i
     python -m triton_pipelines.launcher --model-repository model_repository
 
 Container: the NGC image's own server and backends (docker-compose.yml runs exactly this), so both
-ways run with the same flags (explicit model control, every model loaded at start) and the same drain.
+ways run with the same flags, the same proxy, the same supervision and the same drain.
 
-    python3 -m triton_pipelines.launcher --tritonserver /opt/tritonserver/bin/tritonserver \
-        --backend-dir /opt/tritonserver/backends --model-repository /models
+    python3 -m triton_pipelines.launcher --tritonserver /opt/tritonserver/bin/tritonserver \\
+        --backend-dir /opt/tritonserver/backends --model-repository /models --listen-address 0.0.0.0
+
+What runs:
+
+- ``tritonserver`` on loopback ports of its own, with the control APIs restricted by a key
+  (``control.py``), explicit model control and every model loaded at start;
+- nginx on the public ports (``proxy.py``): body limits before Triton reads anything, control APIs
+  refused; it listens on 127.0.0.1 unless ``--listen-address`` / ``$TRITON_LISTEN_ADDRESS`` says
+  otherwise;
+- the supervisor (``supervisor.py``): a dead Python stub gets its model reloaded; if tritonserver
+  itself dies, its orphaned stubs and shared memory are removed and it is started again; nginx too.
 
 Ctrl-C / SIGTERM drain the server first (models are unloaded top-down, so requests in flight,
 ensembles included, finish: see ``drain.py``), then SIGTERM stops it (``--exit-timeout-secs``).
@@ -18,10 +28,10 @@ ensembles included, finish: see ``drain.py``), then SIGTERM stops it (``--exit-t
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -33,7 +43,14 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .control import (STATE_ENV, ControlClient, private_dir, resolve_key, restricted_api_flags,
+                      write_private)
 from .drain import drain
+from .processes import free_ports, remove_leftovers, terminate_with_parent
+from .proxy import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_JSON_BYTES, ProxyConfig, ProxyProcess
+from .supervisor import LauncherMetrics, StatusServer, StubWatchdog
+
+__all__ = ["Launcher", "ServerOptions", "start_on_free_ports", "free_ports"]
 
 DEFAULT_HTTP_PORT = 8000
 DEFAULT_GRPC_PORT = 8001
@@ -44,6 +61,7 @@ PYTHON_BACKEND_CONFIG = ("shm-default-byte-size=16777216", "shm-growth-byte-size
 # Latency summaries (nv_inference_{request,queue,compute_infer}_summary_us, quantiles 0.5 to 0.999):
 # 2.51 has no latency histograms for non-decoupled models, and p99 queue time needs one or the other.
 METRICS_CONFIG = ("summary_latencies=true",)
+LOOPBACK = "127.0.0.1"
 
 
 def pytriton_dir() -> Path:
@@ -73,35 +91,55 @@ def prepare_backend_dir(target: Path) -> Path:
 @dataclass
 class ServerOptions:
     model_repository: Path
+    # Public ports (nginx).
     http_port: int = DEFAULT_HTTP_PORT
     grpc_port: int = DEFAULT_GRPC_PORT
     metrics_port: int = DEFAULT_METRICS_PORT
+    listen_address: str = LOOPBACK
     # None: a private temporary folder, removed on stop (lets several servers run side by side).
     backend_dir: Path | None = None
     # None: the embedded binary from nvidia-pytriton; else this server (the container's), with
     # backend_dir naming its backends.
     tritonserver: Path | None = None
+    # Control key, internal ports, nginx files. None: a temporary folder, removed on stop.
+    state_dir: Path | None = None
     exit_timeout_secs: int = 30
     log_verbose: int = 0
     # Models loaded at start; None loads every model in the repository (--load-model=*).
     models: list[str] | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_json_bytes: int = DEFAULT_MAX_JSON_BYTES
+    supervise_interval_s: float = 1.0
     extra_args: list[str] = field(default_factory=list)
 
 
-def server_command(options: ServerOptions) -> list[str]:
+@dataclass(frozen=True)
+class InternalPorts:
+    """tritonserver's own ports, on loopback only."""
+    http: int
+    grpc: int
+    metrics: int
+
+
+def server_command(options: ServerOptions, internal: InternalPorts, key: str, shm_prefix: str) -> list[str]:
     command = [
         str(options.tritonserver or pytriton_dir() / "bin" / "tritonserver"),
         f"--model-repository={options.model_repository.resolve()}",
         f"--backend-directory={options.backend_dir.resolve()}",
         "--model-control-mode=explicit",
         *[f"--load-model={name}" for name in (options.models or ["*"])],
-        f"--http-port={options.http_port}",
-        f"--grpc-port={options.grpc_port}",
-        f"--metrics-port={options.metrics_port}",
+        f"--http-address={LOOPBACK}",
+        f"--http-port={internal.http}",
+        f"--grpc-address={LOOPBACK}",
+        f"--grpc-port={internal.grpc}",
+        f"--metrics-address={LOOPBACK}",
+        f"--metrics-port={internal.metrics}",
         f"--exit-timeout-secs={options.exit_timeout_secs}",
         f"--log-verbose={options.log_verbose}",
+        *restricted_api_flags(key),
     ]
-    command += [f"--backend-config=python,{setting}" for setting in PYTHON_BACKEND_CONFIG]
+    backend_config = (*PYTHON_BACKEND_CONFIG, f"shm-region-prefix-name={shm_prefix}")
+    command += [f"--backend-config=python,{setting}" for setting in backend_config]
     command += [f"--metrics-config={setting}" for setting in METRICS_CONFIG]
     return command + list(options.extra_args)
 
@@ -122,19 +160,17 @@ def server_environment() -> dict[str, str]:
     return env
 
 
-def _terminate_with_parent() -> None:
-    """In the child before exec: SIGTERM it if the launcher dies without stopping it (Linux)."""
-    import ctypes
+class Launcher:
+    """tritonserver + nginx + supervisor; use as a context manager or call ``stop()``.
 
-    pr_set_pdeathsig = 1
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
-
-
-class TritonProcess:
-    """A running ``tritonserver`` process; use as a context manager or call ``stop()``."""
+    ``http_url`` / ``grpc_url`` / ``metrics_url`` are the public (proxied) endpoints; ``control`` is
+    the model-repository API on Triton's loopback port with the key."""
 
     def __init__(self, options: ServerOptions, stdout=None, stderr=None):
         self.options = options
+        self.stdout, self.stderr = stdout, stderr
+        # Our log lines go where the server's do (a log file in tests, the terminal otherwise).
+        self._log_fd = stderr.fileno() if hasattr(stderr, "fileno") else sys.stderr.fileno()
         embedded = options.tritonserver is None
         if not embedded and options.backend_dir is None:
             raise ValueError("--tritonserver needs --backend-dir (the server's own backends)")
@@ -143,91 +179,213 @@ class TritonProcess:
             options.backend_dir = Path(tempfile.mkdtemp(prefix="triton-backends-"))
         if embedded:
             prepare_backend_dir(options.backend_dir)
-        # Its own session: a terminal's Ctrl-C reaches this launcher (which drains, then stops the
-        # server) rather than tritonserver directly (whose own shutdown fails in-flight ensembles).
-        self.process = subprocess.Popen(
-            server_command(options), env=server_environment() if embedded else None, stdout=stdout, stderr=stderr,
-            start_new_session=True, preexec_fn=_terminate_with_parent,
-        )
+        self._temporary_state_dir = options.state_dir is None
+        self.state_dir = private_dir((options.state_dir or Path(tempfile.mkdtemp(prefix="triton-state-"))).resolve())
+        self.key = resolve_key()
+        write_private(self.state_dir / "control.key", self.key + "\n")
+        self.internal = InternalPorts(*free_ports(3))
+        self.shm_prefix = f"triton_pipelines_{os.getpid()}_{self.internal.http}_"
+        self.control = ControlClient(f"{LOOPBACK}:{self.internal.http}", self.key)
+        self.metrics = LauncherMetrics()
+        self.watchdog = StubWatchdog(self.control, lambda: self.process.pid, self.metrics, self.log)
+        self.stopping, self._stopped = threading.Event(), threading.Event()
+        self._restarting = False
+        self.process: subprocess.Popen | None = None
+        self.status = StatusServer(
+            triton_http=lambda: self.control.http_url,
+            triton_metrics=lambda: f"{LOOPBACK}:{self.internal.metrics}",
+            live=lambda: self.process is not None and self.process.poll() is None and not self._restarting,
+            problems=self.watchdog.problems, metrics=self.metrics)
+        try:
+            self.proxy = ProxyProcess(ProxyConfig(
+                listen_address=options.listen_address, http_port=options.http_port, grpc_port=options.grpc_port,
+                metrics_port=options.metrics_port, triton_http_port=self.internal.http,
+                triton_grpc_port=self.internal.grpc, status_port=self.status.port,
+                state_dir=self.state_dir / "proxy", max_body_bytes=options.max_body_bytes,
+                max_json_bytes=options.max_json_bytes,
+                run_as="nobody nogroup" if os.geteuid() == 0 else None), stdout=stdout, stderr=stderr)
+        except Exception:
+            self.status.close()
+            raise
+        self.process = self._start_server()
+        write_private(self.state_dir / "server.json", json.dumps({
+            "launcher_pid": os.getpid(), "triton_http": self.control.http_url,
+            "triton_grpc": f"{LOOPBACK}:{self.internal.grpc}", "triton_metrics": f"{LOOPBACK}:{self.internal.metrics}",
+            "http_port": options.http_port, "grpc_port": options.grpc_port, "metrics_port": options.metrics_port,
+            "listen_address": options.listen_address}, indent=2))
+        self.supervisor = threading.Thread(target=self._supervise, name="supervisor", daemon=True)
+        self._supervising = threading.Event()
+
+    def log(self, message: str) -> None:
+        os.write(self._log_fd, f"[launcher] {message}\n".encode())
+
+    # ------------------------------------------------------------------------- endpoints
+    def _public_host(self) -> str:
+        address = self.options.listen_address
+        if address in ("0.0.0.0", "::", ""):
+            return "localhost"
+        return f"[{address}]" if ":" in address else address
 
     @property
     def http_url(self) -> str:
-        return f"localhost:{self.options.http_port}"
+        return f"{self._public_host()}:{self.options.http_port}"
 
     @property
     def grpc_url(self) -> str:
-        return f"localhost:{self.options.grpc_port}"
+        return f"{self._public_host()}:{self.options.grpc_port}"
 
     def url(self, protocol: str) -> str:
-        """The endpoint for a client of ``protocol`` ("http" or "grpc")."""
+        """The public endpoint for a client of ``protocol`` ("http" or "grpc")."""
         return self.http_url if protocol == "http" else self.grpc_url
 
     @property
     def metrics_url(self) -> str:
-        return f"http://localhost:{self.options.metrics_port}/metrics"
+        return f"http://{self._public_host()}:{self.options.metrics_port}/metrics"
 
-    def wait_ready(self, timeout_s: float = 300.0) -> None:
-        """Block until ``/v2/health/ready`` answers 200 (every loaded model is ready)."""
+    # ------------------------------------------------------------------------- processes
+    def _start_server(self) -> subprocess.Popen:
+        embedded = self.options.tritonserver is None
+        # Its own session: a terminal's Ctrl-C reaches this launcher (which drains, then stops the
+        # server) rather than tritonserver directly (whose own shutdown fails in-flight ensembles).
+        return subprocess.Popen(
+            server_command(self.options, self.internal, self.key, self.shm_prefix),
+            env=server_environment() if embedded else None, stdout=self.stdout, stderr=self.stderr,
+            start_new_session=True, preexec_fn=terminate_with_parent)
+
+    def _triton_ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.control.http_url}/v2/health/ready", timeout=2) as response:
+                return response.status == 200
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            return False
+
+    def _wait_server(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        url = f"http://{self.http_url}/v2/health/ready"
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"tritonserver exited with code {self.process.returncode} before it was ready")
-            try:
-                with urllib.request.urlopen(url, timeout=2) as response:
-                    if response.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
+            if self._triton_ready():
+                return
             time.sleep(0.5)
         raise TimeoutError(f"tritonserver was not ready after {timeout_s:.0f} s")
 
-    def stop(self, timeout_s: float | None = None) -> int:
-        """Drain (unload models top-down, in-flight requests finish), then SIGTERM."""
-        if self.process.poll() is None:
+    def wait_ready(self, timeout_s: float = 300.0) -> None:
+        """Block until every loaded model is ready and the public port answers; then supervise."""
+        self._wait_server(timeout_s)
+        deadline = time.monotonic() + 30
+        url = f"http://{self.http_url}/v2/health/ready"
+        while True:
             try:
-                drain(self.http_url, timeout_s=self.options.exit_timeout_secs)
+                with urllib.request.urlopen(url, timeout=2) as response:
+                    if response.status == 200:
+                        break
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as error:
-                print(f"drain skipped: {error}", file=sys.stderr)
-            self.process.send_signal(signal.SIGTERM)
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the public port {self.http_url} does not answer: {error}") from None
+                if not self.proxy.alive():
+                    raise RuntimeError(f"nginx exited with code {self.proxy.process.returncode}")
+            time.sleep(0.1)
+        if not self.supervisor.is_alive() and not self.stopping.is_set():
+            self.supervisor.start()
+
+    def _supervise(self) -> None:
+        quick_crashes = 0
+        started = time.monotonic()
+        while not self.stopping.wait(self.options.supervise_interval_s):
+            if self.process.poll() is not None and not self.stopping.is_set():
+                quick_crashes = quick_crashes + 1 if time.monotonic() - started < 60 else 0
+                started = self._restart_server(quick_crashes)
+                continue
+            if not self.proxy.alive() and not self.stopping.is_set():
+                self.log(f"nginx exited with code {self.proxy.process.returncode}; restarting it")
+                with self.metrics.lock:
+                    self.metrics.proxy_restarts += 1
+                self.proxy.restart()
             try:
-                self.process.wait(timeout=timeout_s or self.options.exit_timeout_secs + 30)
+                self.watchdog.check()
+            except (urllib.error.URLError, OSError, ValueError) as error:
+                if not self.stopping.is_set() and self.process.poll() is None:
+                    self.log(f"watchdog check failed: {error}")
+
+    def _restart_server(self, quick_crashes: int) -> float:
+        code = self.process.returncode
+        how = f"signal {-code}" if code < 0 else f"code {code}"
+        killed, freed = remove_leftovers(self.process.pid, self.shm_prefix)
+        with self.metrics.lock:
+            self.metrics.server_restarts += 1
+            restarts = self.metrics.server_restarts
+        backoff = min(30.0, 2.0 ** (quick_crashes - 1)) if quick_crashes else 0.0
+        self.log(f"tritonserver exited unexpectedly ({how}); removed {killed} orphaned stub(s) and "
+             f"{freed / 2**20:.0f} MiB of /dev/shm; restarting it (restart {restarts}"
+             + (f", after {backoff:.0f} s" if backoff else "") + ")")
+        self._restarting = True
+        self.watchdog.reset()
+        if self.stopping.wait(backoff):
+            return time.monotonic()
+        self.process = self._start_server()
+        try:
+            self._wait_server(timeout_s=600)
+            self.log("tritonserver is ready again")
+        except (RuntimeError, TimeoutError) as error:
+            self.log(f"restarted tritonserver did not become ready: {error}")
+        finally:
+            self._restarting = False
+        return time.monotonic()
+
+    def stop(self, timeout_s: float | None = None) -> int:
+        """Drain (unload models top-down, in-flight requests finish), then SIGTERM; then nginx."""
+        if self._stopped.is_set():
+            return self.process.returncode
+        self.stopping.set()
+        if self.supervisor.is_alive() and threading.current_thread() is not self.supervisor:
+            self.supervisor.join(timeout=self.options.exit_timeout_secs + 60)
+        if self.process.poll() is None:
+            leaked = set(self.watchdog.leaked)
+            try:
+                drain(self.control, timeout_s=self.options.exit_timeout_secs, never_unloads=leaked)
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, RuntimeError) as error:
+                self.log(f"drain skipped: {error}")
+            self.process.send_signal(signal.SIGTERM)
+            # Drained, nothing is in flight: Triton would only wait its exit timeout for an instance
+            # it never releases (a model whose stub died), so that wait is cut short.
+            wait_s = 5 if leaked else (timeout_s or self.options.exit_timeout_secs + 30)
+            try:
+                self.process.wait(timeout=wait_s)
             except subprocess.TimeoutExpired:
+                if leaked:
+                    self.log(f"stopping without waiting for the dead-stub instances of {sorted(leaked)}")
                 self.process.kill()
                 self.process.wait()
+        remove_leftovers(self.process.pid, self.shm_prefix)
+        self.proxy.stop()
+        self.status.close()
         if self._temporary_backend_dir:
             shutil.rmtree(self.options.backend_dir, ignore_errors=True)
+        if self._temporary_state_dir:
+            shutil.rmtree(self.state_dir, ignore_errors=True)
+        else:
+            for name in ("control.key", "server.json"):
+                (self.state_dir / name).unlink(missing_ok=True)
+        self._stopped.set()
         return self.process.returncode
 
-    def __enter__(self) -> "TritonProcess":
+    def __enter__(self) -> "Launcher":
         return self
 
     def __exit__(self, *exc) -> None:
         self.stop()
 
 
-def free_ports(count: int) -> list[int]:
-    """Ports the OS reports free right now (bound then released together)."""
-    sockets = []
-    for _ in range(count):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        sockets.append(s)
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
-
-
 def start_on_free_ports(model_repository: Path, log_path: Path, extra_args: list[str] | None = None,
-                        timeout_s: float = 600, models: list[str] | None = None) -> TritonProcess:
-    """A ready server on free ports, logging to ``log_path`` (tests and benchmarks use this)."""
+                        timeout_s: float = 600, models: list[str] | None = None,
+                        **options) -> Launcher:
+    """A ready server on free public ports, logging to ``log_path`` (tests and benchmarks use this)."""
     http, grpc, metrics = free_ports(3)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log = open(log_path, "wb")
-    options = ServerOptions(model_repository=model_repository, http_port=http, grpc_port=grpc,
-                            metrics_port=metrics, models=models, extra_args=extra_args or [])
-    server = TritonProcess(options, stdout=log, stderr=log)
+    server = Launcher(ServerOptions(model_repository=model_repository, http_port=http, grpc_port=grpc,
+                                    metrics_port=metrics, models=models, extra_args=extra_args or [], **options),
+                      stdout=log, stderr=log)
     try:
         server.wait_ready(timeout_s=timeout_s)
     except Exception:
@@ -249,6 +407,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--http-port", type=int, help=f"default $TRITON_HTTP_PORT or {DEFAULT_HTTP_PORT}")
     parser.add_argument("--grpc-port", type=int, help=f"default $TRITON_GRPC_PORT or {DEFAULT_GRPC_PORT}")
     parser.add_argument("--metrics-port", type=int, help=f"default $TRITON_METRICS_PORT or {DEFAULT_METRICS_PORT}")
+    parser.add_argument("--listen-address", default=os.environ.get("TRITON_LISTEN_ADDRESS", LOOPBACK),
+                        help="address of the public ports (default $TRITON_LISTEN_ADDRESS or 127.0.0.1; "
+                             "0.0.0.0 for every interface)")
+    parser.add_argument("--state-dir", type=Path,
+                        help=f"control key and internal ports for our tools (default ${STATE_ENV} or .triton/<http port>)")
+    parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                        help="largest request accepted on the public ports (HTTP body or gRPC message)")
+    parser.add_argument("--max-json-bytes", type=int, default=DEFAULT_MAX_JSON_BYTES,
+                        help="largest JSON part of an HTTP request (Triton 2.51 crashes on large JSON)")
     parser.add_argument("--tritonserver", type=Path, metavar="PATH",
                         help="run this tritonserver (e.g. the container's) instead of the embedded one")
     parser.add_argument("--backend-dir", type=Path,
@@ -261,11 +428,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not (args.model_repository / ".built").exists():
         parser.error(f"{args.model_repository} is not built: run `make repository` (or `make serve`)")
+    if args.max_json_bytes > DEFAULT_MAX_JSON_BYTES:
+        parser.error(f"--max-json-bytes above {DEFAULT_MAX_JSON_BYTES} lets a deeply nested JSON request "
+                     f"crash tritonserver 2.51")
+    http_port = _port(args.http_port, "TRITON_HTTP_PORT", DEFAULT_HTTP_PORT)
     options = ServerOptions(
         model_repository=args.model_repository,
-        http_port=_port(args.http_port, "TRITON_HTTP_PORT", DEFAULT_HTTP_PORT),
+        http_port=http_port,
         grpc_port=_port(args.grpc_port, "TRITON_GRPC_PORT", DEFAULT_GRPC_PORT),
         metrics_port=_port(args.metrics_port, "TRITON_METRICS_PORT", DEFAULT_METRICS_PORT),
+        listen_address=args.listen_address,
+        state_dir=args.state_dir or Path(os.environ.get(STATE_ENV) or Path(".triton") / str(http_port)),
+        max_body_bytes=args.max_body_bytes,
+        max_json_bytes=args.max_json_bytes,
         backend_dir=args.backend_dir,
         tritonserver=args.tritonserver,
         exit_timeout_secs=args.exit_timeout_secs,
@@ -273,14 +448,18 @@ def main(argv: list[str] | None = None) -> int:
         models=args.models,
         extra_args=args.extra_args,
     )
-    server = TritonProcess(options)
-    stopping = threading.Event()
+    server = Launcher(options)
+    stopping, stopped = threading.Event(), threading.Event()
+
+    def stop():
+        server.stop()
+        stopped.set()
 
     def on_signal(*_):
-        # Drain in a thread: the main thread keeps waiting on the server process.
+        # Drain in a thread: the main thread keeps waiting for the stop to finish.
         if not stopping.is_set():
             stopping.set()
-            threading.Thread(target=server.stop, daemon=True).start()
+            threading.Thread(target=stop, daemon=True).start()
 
     # The server logs to this terminal; we forward Ctrl-C/SIGTERM as a drain, then SIGTERM.
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -289,18 +468,20 @@ def main(argv: list[str] | None = None) -> int:
         server.wait_ready()
         print(
             f"\nTriton is ready: HTTP {options.http_port}, gRPC {options.grpc_port}, "
-            f"metrics {options.metrics_port}. Ctrl-C stops it.\n",
+            f"metrics {options.metrics_port} on {options.listen_address}. Ctrl-C stops it.\n",
             flush=True,
         )
     except (RuntimeError, TimeoutError) as error:
         if stopping.is_set():  # Ctrl-C before it was ready
-            return server.process.wait()
+            stopped.wait()
+            return 0
         print(f"error: {error}", file=sys.stderr)
         server.stop()
         return 1
-    code = server.process.wait()
-    server.stop()
-    return code
+    # The supervisor restarts a crashed tritonserver; we return once a stop was asked for and done.
+    while not stopped.wait(1.0):
+        pass
+    return server.process.returncode or 0
 
 
 if __name__ == "__main__":

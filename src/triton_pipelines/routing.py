@@ -1,4 +1,4 @@
-"""The router's logic (issue 5): route table, request parsing, canary splits, tiers and cost.
+"""The router's logic: route table, request parsing, canary splits, tiers and cost.
 
 The ``router`` BLS model (``python_models/router/model.py``) is a thin adapter over this module:
 it reads ``task``/``payload``/``latency_class``, asks ``Router.prepare`` for a ``RoutedRequest``,
@@ -15,6 +15,7 @@ import dataclasses
 import hashlib
 import json
 import random
+import re
 import threading
 from dataclasses import dataclass, field
 from decimal import Decimal
@@ -29,14 +30,20 @@ LATENCY_CLASSES = ("realtime", "batch")
 TIERS = ("cheapest", "balanced", "best")
 STABLE_VERSION = 1
 MESSAGE_ROLES = ("system", "user", "assistant", "developer", "tool")
+# What a vision_llm image may claim to be (it becomes a data: URL sent upstream).
+IMAGE_MIME_TYPES = ("image/png", "image/jpeg", "image/webp", "image/gif")
+# A JSON escape of a UTF-16 surrogate: only then can a parsed string hold a lone one.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
 class RouteError(Exception):
-    """A request that could not be served; ``reason`` is the metric label (``failures_total``)."""
+    """A request that could not be served; ``reason`` is the metric label (``failures_total``).
+    ``retry_after_s``: what an upstream asked us to wait before trying again, if it said."""
 
-    def __init__(self, reason: str, message: str):
+    def __init__(self, reason: str, message: str, retry_after_s: float | None = None):
         super().__init__(message)
         self.reason = reason
+        self.retry_after_s = retry_after_s
 
 
 # ----------------------------------------------------------------------------------- route table
@@ -61,11 +68,14 @@ class TaskRoute:
     canary: str = ""  # triton: the compute model whose versions are split
     models: tuple[str, ...] = ()  # gateway: allowed models
     default_model: str = ""
+    # The whole request's deadline, retries and backoff included (None: the route kind's default).
+    deadline_s: float | None = None
 
 
 @dataclass(frozen=True)
 class GatewaySettings:
-    timeout_s: float = 30.0
+    timeout_s: float = 20.0  # one attempt (never more than what is left of the deadline)
+    deadline_s: float = 45.0  # a whole gateway request, retries included, unless its task says otherwise
     max_retries: int = 2
     backoff_s: float = 0.5
     max_backoff_s: float = 4.0
@@ -73,7 +83,7 @@ class GatewaySettings:
     circuit_reset_s: float = 30.0
     default_max_tokens: int = 512
     max_tokens_limit: int = 8192
-    max_workers: int = 16
+    max_in_flight: int = 64  # gateway calls at once; more are refused at once (UNAVAILABLE)
 
 
 @dataclass(frozen=True)
@@ -91,6 +101,10 @@ class RouteTable:
     canaries: Mapping[str, Canary]
     max_payload_bytes: int = 8 << 20
     max_rows_per_request: int = 64
+    # Self-hosted requests in flight at once (their queues are bounded downstream too) and their
+    # default deadline.
+    max_in_flight_triton: int = 256
+    triton_deadline_s: float = 120.0
 
     @classmethod
     def load(cls, path: Path | str) -> "RouteTable":
@@ -114,7 +128,7 @@ class RouteTable:
                 entry = TaskRoute(task, route, model=str(spec["model"]),
                                   inputs={str(k): str(v) for k, v in (spec.get("inputs") or {}).items()},
                                   outputs=tuple(str(o) for o in spec.get("outputs") or ()),
-                                  canary=str(spec.get("canary") or ""))
+                                  canary=str(spec.get("canary") or ""), deadline_s=_deadline(spec, task, source))
                 bad = {k: v for k, v in entry.inputs.items() if v not in ("text", "base64")}
                 if bad or not entry.inputs or not entry.outputs:
                     raise ValueError(f"{source}: task {task} needs inputs (text|base64) and outputs; got {spec}")
@@ -122,7 +136,8 @@ class RouteTable:
                     raise ValueError(f"{source}: task {task} names canary {entry.canary!r}, not under canaries")
             elif route == "gateway":
                 models = tuple(str(m) for m in spec.get("models") or ())
-                entry = TaskRoute(task, route, models=models, default_model=str(spec.get("default_model") or models[0]))
+                entry = TaskRoute(task, route, models=models, default_model=str(spec.get("default_model") or models[0]),
+                                  deadline_s=_deadline(spec, task, source))
                 unpriced = [m for m in models if m not in prices]
                 if not models or unpriced or entry.default_model not in models:
                     raise ValueError(f"{source}: task {task}: models {list(models)} need prices "
@@ -134,7 +149,24 @@ class RouteTable:
         limits = document.get("limits") or {}
         return cls(tasks, prices, gateway, canaries,
                    max_payload_bytes=int(limits.get("max_payload_bytes", 8 << 20)),
-                   max_rows_per_request=int(limits.get("max_rows_per_request", 64)))
+                   max_rows_per_request=int(limits.get("max_rows_per_request", 64)),
+                   max_in_flight_triton=int(limits.get("max_in_flight_triton", 256)),
+                   triton_deadline_s=float(limits.get("triton_deadline_s", 120.0)))
+
+    def deadline_s(self, task: str) -> float:
+        route = self.tasks[task]
+        if route.deadline_s is not None:
+            return route.deadline_s
+        return self.gateway.deadline_s if route.route == "gateway" else self.triton_deadline_s
+
+
+def _deadline(spec: Mapping[str, Any], task: str, source: str) -> float | None:
+    value = spec.get("deadline_s")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ValueError(f"{source}: task {task}: deadline_s must be a positive number of seconds, not {value!r}")
+    return float(value)
 
 
 def validate_split(split: Mapping[Any, Any], versions: tuple[int, ...], where: str) -> dict[int, float]:
@@ -301,11 +333,49 @@ def gateway_messages(payload: Mapping) -> list[dict]:
                 raise InputError("payload field 'image' must be a base64 string")
             _decode_base64(image, "image")
             mime = payload.get("image_mime", "image/png")
+            if mime not in IMAGE_MIME_TYPES:
+                raise InputError(f"payload field 'image_mime' must be one of {', '.join(IMAGE_MIME_TYPES)}, "
+                                 f"not {str(mime)[:40]!r}")
             return [{"role": "user", "content": [
                 {"type": "text", "text": text},
                 {"type": "image_url", "image_url": {"url": f"data:{mime};base64,{image}"}}]}]
         return [{"role": "user", "content": text}]
     raise InputError("a gateway task's payload needs 'messages' (a list) or 'text' (a string)")
+
+
+def parse_payload(raw: bytes) -> dict:
+    """The payload's JSON object, or InputError: not JSON, nested too deeply for Python's parser
+    (RecursionError), or holding a lone UTF-16 surrogate (``"\\ud800"``: not Unicode text)."""
+    try:
+        payload = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise InputError(f"payload is not valid JSON: {error}") from None
+    except RecursionError:
+        raise InputError("payload is nested too deeply to parse") from None
+    if not isinstance(payload, dict):
+        raise InputError(f"payload must be a JSON object, not {type(payload).__name__}")
+    if _SURROGATE_ESCAPE.search(raw):
+        _check_unicode(payload, "payload")
+    return payload
+
+
+def _check_unicode(value: Any, where: str) -> None:
+    """Every string (keys too) encodes to UTF-8; iterative, so depth costs no recursion."""
+    stack = [(value, where)]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as error:
+                raise InputError(f"{path} holds a lone UTF-16 surrogate ({item[error.start]!a} at "
+                                 f"index {error.start}): not valid Unicode text") from None
+        elif isinstance(item, dict):
+            for key, child in item.items():
+                stack.append((key, f"{path} key"))
+                stack.append((child, f"{path}.{key}" if isinstance(key, str) and key.isidentifier() else path))
+        elif isinstance(item, list):
+            stack.extend((child, f"{path}[{i}]") for i, child in enumerate(item))
 
 
 def _decode_base64(value: str, name: str) -> bytes:
@@ -341,12 +411,7 @@ class Router:
         raw = payload_raw if isinstance(payload_raw, bytes) else str(payload_raw).encode()
         if len(raw) > self.table.max_payload_bytes:
             raise InputError(f"payload is {len(raw)} bytes; the limit is {self.table.max_payload_bytes} bytes")
-        try:
-            payload = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise InputError(f"payload is not valid JSON: {error}") from None
-        if not isinstance(payload, dict):
-            raise InputError(f"payload must be a JSON object, not {type(payload).__name__}")
+        payload = parse_payload(raw)
         user = payload.get("user")
         if user is not None and not isinstance(user, str):
             raise InputError("payload field 'user' must be a string")

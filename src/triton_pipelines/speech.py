@@ -37,6 +37,11 @@ PROMPT_LENGTH = 4
 # Longer audio is refused before its samples are decoded (documented in docs/speech.md).
 MAX_AUDIO_SECONDS = 300.0
 MAX_AUDIO_BYTES = 64 * 1024 * 1024
+# Decoding work is channels × rate × seconds, read from the header before decoding: 300 s of 48 kHz
+# stereo. A small FLAC of 8 channels at 192 kHz would otherwise decode to GBs.
+MAX_DECODED_SAMPLES = 300 * 48000 * 2
+# Decoded and downmixed a block at a time: memory stays at the mono signal's size.
+DECODE_BLOCK_FRAMES = 1 << 18
 
 # openai-whisper's LANGUAGES keys, in token order (large-v3 adds "yue": 100 languages).
 LANGUAGE_CODES = (
@@ -53,7 +58,8 @@ TASKS = ("transcribe", "translate")
 
 
 def decode_audio(data: bytes, index: int = 0, input_name: str = "audio",
-                 max_seconds: float = MAX_AUDIO_SECONDS, max_bytes: int = MAX_AUDIO_BYTES) -> np.ndarray:
+                 max_seconds: float = MAX_AUDIO_SECONDS, max_bytes: int = MAX_AUDIO_BYTES,
+                 max_decoded_samples: int = MAX_DECODED_SAMPLES) -> np.ndarray:
     """Encoded WAV/FLAC/OGG bytes → float32 mono samples at 16 kHz.
 
     Any sample format soundfile reads (8/16/24/32-bit PCM, float), any channel count (averaged),
@@ -75,16 +81,27 @@ def decode_audio(data: bytes, index: int = 0, input_name: str = "audio",
                 raise InputError(f"{where} contains no audio samples")
             if frames / rate > max_seconds:
                 raise InputError(f"{where} is {frames / rate:.1f} s long; the limit is {max_seconds:g} s")
-            samples = handle.read(dtype="float32", always_2d=True)
+            channels = handle.channels
+            if channels * frames > max_decoded_samples:
+                raise InputError(
+                    f"{where} decodes to {channels * frames} samples ({channels} channels × {rate} Hz × "
+                    f"{frames / rate:.1f} s); the limit is {max_decoded_samples} (300 s of 48 kHz stereo)")
+            mono = np.empty(frames, dtype=np.float32)
+            filled = 0
+            for block in handle.blocks(blocksize=DECODE_BLOCK_FRAMES, dtype="float32", always_2d=True):
+                count = min(len(block), frames - filled)
+                block = block[:count]
+                mono[filled:filled + count] = block.mean(axis=1, dtype=np.float32) if channels > 1 else block[:, 0]
+                filled += count
+            mono = mono[:filled]
     except InputError:
         raise
     except Exception as error:  # soundfile.LibsndfileError, RuntimeError, EOFError ...
         raise InputError(f"{where} is not a decodable audio file (WAV, FLAC or OGG): {error}") from None
-    if samples.shape[0] == 0:
+    if mono.shape[0] == 0:
         raise InputError(f"{where} contains no audio samples")
-    if not np.isfinite(samples).all():
+    if not np.isfinite(mono).all():
         raise InputError(f"{where} contains NaN or infinite samples")
-    mono = samples.mean(axis=1, dtype=np.float32) if samples.shape[1] > 1 else samples[:, 0]
     if rate != SAMPLE_RATE:
         mono = soxr.resample(mono, rate, SAMPLE_RATE, quality="HQ").astype(np.float32)
     return np.ascontiguousarray(mono, dtype=np.float32)

@@ -45,6 +45,9 @@ MAX_IMAGE_BYTES = 16 * 1024 * 1024
 # Pillow's own bomb limit is 89.5 MP (a warning) / 179 MP (an error); a 50 MP photo is the largest
 # camera image we expect. A 20000×20000 PNG header (400 MP) is refused before decoding.
 MAX_IMAGE_PIXELS = 50_000_000
+# All images of one request together (headers are read before anything is decoded): decoding is
+# ~0.25 s of CPU per 50 MP, so one request may not buy more than ~0.5 s of it.
+MAX_REQUEST_PIXELS = 100_000_000
 DEFAULT_TOP_K = 5
 MAX_TOP_K = 100
 
@@ -57,6 +60,7 @@ class PreprocessConfig:
     std: tuple[float, float, float] = IMAGENET_STD
     max_image_bytes: int = MAX_IMAGE_BYTES
     max_image_pixels: int = MAX_IMAGE_PIXELS
+    max_request_pixels: int = MAX_REQUEST_PIXELS
     # JPEG only: let libjpeg decode at 1/2, 1/4 or 1/8 scale (DCT scaling) when the image is at least
     # twice the size the resize needs. ~3x faster on a 12 MP photo, but no longer the exact recipe.
     jpeg_draft: bool = False
@@ -158,7 +162,11 @@ class DecodeTiming:
 
 def decode_to_rgb(data: bytes, config: PreprocessConfig, name: str = "image"):
     """Bytes → fully decoded RGB PIL image (raises InputError for anything unusable)."""
-    image = open_image(data, config, name)
+    return load_rgb(open_image(data, config, name), config, name)
+
+
+def load_rgb(image, config: PreprocessConfig, name: str = "image"):
+    """An opened (header-checked) image → fully decoded RGB PIL image."""
     if config.jpeg_draft and image.format == "JPEG":
         width, height = image.size
         image.draft("RGB", resized_size(width, height, config.resize_shorter_side))
@@ -229,38 +237,60 @@ class ImagePreprocessor:
         self.threads = max(1, threads)
         self.pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="image-decode")
 
-    def _one(self, data, name: str) -> tuple[np.ndarray | InputError, float, float]:
-        timing = DecodeTiming()
+    def _open(self, data, name: str):
+        """The header only: the image (lazy) or the InputError that fails its request."""
         try:
-            pixels = preprocess_image(_as_bytes(data, name), self.config, name, timing)
+            return open_image(_as_bytes(data, name), self.config, name)
         except InputError as error:
-            return error, timing.decode_s, timing.transform_s
-        return pixels, timing.decode_s, timing.transform_s
+            return error
+
+    def _decode(self, image, name: str) -> tuple[np.ndarray | InputError, float, float]:
+        started = time.perf_counter()
+        try:
+            rgb = load_rgb(image, self.config, name)
+        except InputError as error:
+            return error, time.perf_counter() - started, 0.0
+        decoded = time.perf_counter()
+        pixels = transform(rgb, self.config)
+        return pixels, decoded - started, time.perf_counter() - decoded
 
     def run(self, requests: Sequence[np.ndarray], input_name: str = "image") -> BatchResult:
-        """``requests[i]`` is a BYTES array of shape [n] or [n, 1] (n images of request i)."""
-        jobs: list[tuple[int, int]] = []
-        items = []
-        result = BatchResult(outputs=[])
+        """``requests[i]`` is a BYTES array of shape [n] or [n, 1] (n images of request i).
+
+        Every header is read first; a request whose images together exceed ``max_request_pixels``
+        (or that holds a bad image) fails before any of its pixels is decoded."""
+        result = BatchResult(outputs=[None] * len(requests))
+        started = time.perf_counter()
         flats = [np.asarray(r, dtype=object).reshape(-1) for r in requests]
+        jobs: list[tuple[int, int, object, str]] = []  # (request, position, opened image, name)
         for index, flat in enumerate(flats):
-            for position, item in enumerate(flat):
-                jobs.append((index, position))
-                items.append((item, f"{input_name}[{position}]"))
-        done = list(self.pool.map(lambda job: self._one(*job), items)) if items else []
-        per_request: list[list] = [[None] * len(flat) for flat in flats]
-        for (index, position), (value, decode_s, transform_s) in zip(jobs, done):
-            per_request[index][position] = value
+            names = [f"{input_name}[{position}]" for position in range(len(flat))]
+            opened = [self._open(item, name) for item, name in zip(flat, names)]
+            error = next((o for o in opened if isinstance(o, InputError)), None)
+            pixels = sum(o.size[0] * o.size[1] for o in opened if not isinstance(o, InputError))
+            if not len(flat):
+                error = InputError(f"input '{input_name}' is an empty batch: send at least one image")
+            elif error is None and pixels > self.config.max_request_pixels:
+                error = InputError(f"input '{input_name}': the request's {len(flat)} images hold {pixels} pixels "
+                                   f"together; the limit per request is {self.config.max_request_pixels}")
+            if error is not None:
+                result.outputs[index] = error
+            else:
+                jobs += [(index, position, image, name)
+                         for position, (image, name) in enumerate(zip(opened, names))]
+        result.timing.decode_s += time.perf_counter() - started
+        done = list(self.pool.map(lambda job: self._decode(job[2], job[3]), jobs)) if jobs else []
+        per_request: dict[int, list] = {}
+        for (index, position, _, _), (value, decode_s, transform_s) in zip(jobs, done):
+            per_request.setdefault(index, [None] * len(flats[index]))[position] = value
             result.timing.decode_s += decode_s
             result.timing.transform_s += transform_s
-        for values in per_request:
+        for index, values in per_request.items():
             error = next((v for v in values if isinstance(v, InputError)), None)
-            if not values:
-                result.outputs.append(InputError(f"input '{input_name}' is an empty batch: send at least one image"))
-            elif error is not None:
-                result.outputs.append(error)
+            if error is not None:
+                result.outputs[index] = error
             else:  # one image per request is the common case: no stacking copy
-                result.outputs.append(values[0][None] if len(values) == 1 else np.stack(values))
+                result.outputs[index] = values[0][None] if len(values) == 1 else np.stack(values)
         return result
 
     def close(self) -> None:

@@ -1,0 +1,340 @@
+"""make soak: mixed traffic over every pipeline for a bounded time (default 10 minutes), with hostile
+requests mixed in and two faults injected, then docs/reliability.md.
+
+    python -m benchmarks.soak [--seconds 600] [--report docs/reliability.md]
+
+Traffic (one thread each, its own client): text_embedding (gRPC, 2 threads), text_classification
+(HTTP), image_classification (gRPC), speech_recognition (gRPC), the router (self-hosted and gateway
+tasks; the gateway is a local fake answering in 50 ms) and a hostile client (bad inputs, oversized
+and crashing bodies, control API calls, nested router payloads) whose requests must be refused.
+
+Faults: at 40% of the run eight gateway calls hang for 30 s (router → text_classification p99 is
+compared with the 30 s before); at 70% the image_preprocess stub is killed (the watchdog reloads it;
+only image requests of that window may fail).
+
+Every 10 s: RSS of each process (tritonserver, each model's stubs, nginx, the launcher) and the
+/dev/shm bytes of each model's regions."""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import signal
+import statistics
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from triton_pipelines.client import InferenceServerException, TritonClient, text_tensor
+from triton_pipelines.launcher import start_on_free_ports
+from triton_pipelines.processes import SHM_DIR, find_stubs
+
+from .perf import markdown_table
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "tests" / "data"
+SAMPLE_S = 10
+
+
+@dataclass
+class Record:
+    at: float  # seconds since start
+    pipeline: str
+    latency_s: float
+    outcome: str  # ok | refused (hostile, as expected) | failed
+
+
+class Soak:
+    def __init__(self, server, seconds: float):
+        self.server = server
+        self.seconds = seconds
+        self.start = time.monotonic()
+        self.stop = threading.Event()
+        self.records: list[Record] = []
+        self.samples: list[dict] = []
+        self.events: list[tuple[float, str]] = []
+        self.lock = threading.Lock()
+        self.jpeg = (DATA / "scene.jpg").read_bytes()
+        self.wav = (DATA / "speech_hello.wav").read_bytes()
+
+    def now(self) -> float:
+        return time.monotonic() - self.start
+
+    def record(self, pipeline: str, call, expect_refusal: bool = False) -> None:
+        started = time.monotonic()
+        try:
+            call()
+            outcome = "failed" if expect_refusal else "ok"
+        except (InferenceServerException, urllib.error.URLError, OSError) as error:
+            outcome = "refused" if expect_refusal else "failed"
+            if outcome == "failed":
+                with self.lock:
+                    self.events.append((self.now(), f"{pipeline}: {str(error)[:160]}"))
+        with self.lock:
+            self.records.append(Record(started - self.start, pipeline, time.monotonic() - started, outcome))
+
+    # --------------------------------------------------------------------------------- traffic
+    def loop(self, pipeline: str, protocol: str, make_call) -> None:
+        client = TritonClient(protocol, self.server.url(protocol))
+        call = make_call(client)
+        while not self.stop.is_set():
+            self.record(pipeline, call)
+        client.close()
+
+    def router_payload(self, i: int) -> tuple[str, dict, str]:
+        kind = i % 3
+        if kind == 0:
+            return "text_classification", {"text": f"I was charged twice ({i})"}, "realtime"
+        if kind == 1:
+            return "image_classification", {"image": base64.b64encode(self.jpeg).decode()}, "batch"
+        return "general_llm", {"text": f"summarize case {i}", "tier": "cheapest"}, "realtime"
+
+    def router_loop(self) -> None:
+        client = TritonClient("grpc", self.server.grpc_url)
+        i = 0
+        while not self.stop.is_set():
+            task, payload, latency_class = self.router_payload(i)
+            self.record(f"router:{task}", lambda: client.infer("router", {
+                "task": text_tensor([task]), "payload": text_tensor([json.dumps(payload)]),
+                "latency_class": text_tensor([latency_class])}))
+            i += 1
+        client.close()
+
+    def hostile_loop(self) -> None:
+        http = f"http://{self.server.http_url}"
+        grpc = TritonClient("grpc", self.server.grpc_url)
+
+        def post(path, body, headers=None):
+            request = urllib.request.Request(http + path, data=body, method="POST", headers=headers or {})
+            with urllib.request.urlopen(request, timeout=30) as response:
+                return response.read()
+
+        attacks = [
+            lambda: post("/v2/models/text_embedding/infer", json.dumps({"id": "x" * 4_200_000, "inputs": []}).encode()),
+            lambda: post("/v2/models/text_embedding/infer", b'{"id":' + b"[" * 150_000 + b"]" * 150_000 + b"}"),
+            lambda: post("/v2/repository/models/evil/load", b"{}"),
+            lambda: grpc.client.unload_model("text_embedding"),
+            lambda: grpc.infer("text_embedding", {"text": text_tensor([b"\xff\xfe bad utf-8"])}),
+            lambda: grpc.infer("image_classification", {"image": text_tensor([b"not an image"])}),
+            lambda: grpc.infer("router", {"task": text_tensor(["text_classification"]),
+                                          "payload": text_tensor(['{"text": ' + "[" * 50_000 + "]" * 50_000 + "}"])}),
+            lambda: grpc.infer("speech_recognition", {"audio": text_tensor([b"RIFF....WAVEfmt "])}),
+        ]
+        i = 0
+        while not self.stop.is_set():
+            self.record("hostile", attacks[i % len(attacks)], expect_refusal=True)
+            i += 1
+            time.sleep(0.2)
+        grpc.close()
+
+    # --------------------------------------------------------------------------------- faults
+    def hang_gateway(self, fake, hold_s: float = 30) -> None:
+        from tests.fake_gateway import Reply
+
+        self.events.append((self.now(), "8 gateway calls hang for 30 s"))
+        fake.when("hang-for-the-soak", Reply(delay_s=hold_s))
+        client = TritonClient("grpc", self.server.grpc_url)
+        threads = [threading.Thread(target=self.record, args=("router:general_llm (hung)", lambda: client.infer(
+            "router", {"task": text_tensor(["general_llm"]),
+                       "payload": text_tensor(['{"text": "hang-for-the-soak"}'])})))
+            for _ in range(8)]
+        for t in threads:
+            t.start()
+        self.hung_window = (self.now(), self.now() + hold_s)
+        for t in threads:
+            t.join()
+
+    def kill_stub(self) -> None:
+        (stub,) = [s for s in find_stubs(self.server.process.pid) if s.model == "image_preprocess"]
+        self.kill_window = (self.now(), self.now() + 15)
+        self.events.append((self.now(), f"kill -9 of the image_preprocess stub (pid {stub.pid})"))
+        os.kill(stub.pid, signal.SIGKILL)
+
+    # --------------------------------------------------------------------------------- sampling
+    def sample(self) -> None:
+        sample = {"at": self.now(), "rss": defaultdict(int), "shm": defaultdict(int)}
+        triton = self.server.process.pid
+        sample["rss"]["tritonserver"] = rss(triton)
+        sample["rss"]["launcher (python)"] = rss(os.getpid())
+        proxy = self.server.proxy.process.pid
+        sample["rss"]["nginx"] = rss(proxy) + sum(rss(p) for p in children(proxy))
+        for stub in find_stubs(triton):
+            sample["rss"][f"stub {stub.model}"] += rss(stub.pid)
+            sample["shm"][stub.model] += (SHM_DIR / stub.shm_region).stat().st_size \
+                if (SHM_DIR / stub.shm_region).exists() else 0
+        self.samples.append(sample)
+
+    def run(self, fake) -> None:
+        workers = [
+            threading.Thread(target=self.loop, args=("text_embedding", "grpc", lambda c: lambda: c.infer(
+                "text_embedding", {"text": text_tensor(["where is my parcel?", "reset my password"])}))),
+            threading.Thread(target=self.loop, args=("text_embedding", "grpc", lambda c: lambda: c.infer(
+                "text_embedding", {"text": text_tensor(["a longer sentence about a refund " * 6])}))),
+            threading.Thread(target=self.loop, args=("text_classification", "http", lambda c: lambda: c.infer(
+                "text_classification", {"text": text_tensor(["I want to cancel my subscription"])}))),
+            threading.Thread(target=self.loop, args=("image_classification", "grpc", lambda c: lambda: c.infer(
+                "image_classification", {"image": text_tensor([self.jpeg])}))),
+            threading.Thread(target=self.loop, args=("speech_recognition", "grpc", lambda c: lambda: c.infer(
+                "speech_recognition", {"audio": text_tensor([self.wav]),
+                                       "max_new_tokens": np.array([[32]], np.int32)}))),
+            threading.Thread(target=self.router_loop),
+            threading.Thread(target=self.router_loop),
+            threading.Thread(target=self.hostile_loop),
+        ]
+        for worker in workers:
+            worker.start()
+        faults = [(0.4, lambda: threading.Thread(target=self.hang_gateway, args=(fake,)).start()),
+                  (0.7, self.kill_stub)]
+        next_sample = 0.0
+        while self.now() < self.seconds:
+            if self.now() >= next_sample:
+                self.sample()
+                next_sample += SAMPLE_S
+            while faults and self.now() >= faults[0][0] * self.seconds:
+                faults.pop(0)[1]()
+            time.sleep(0.2)
+        self.sample()
+        self.stop.set()
+        for worker in workers:
+            worker.join()
+
+
+def rss(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry.name))
+            except (OSError, IndexError, ValueError):
+                pass
+    return found
+
+
+def p99_ms(values) -> float:
+    return float(np.percentile(list(values), 99)) * 1000 if values else float("nan")
+
+
+def report(soak: Soak, seconds: float) -> str:
+    records = soak.records
+    kill = getattr(soak, "kill_window", (0, 0))
+    in_kill_window = lambda r: kill[0] <= r.at <= kill[1]  # noqa: E731
+    rows = []
+    for pipeline in sorted({r.pipeline for r in records}):
+        mine = [r for r in records if r.pipeline == pipeline]
+        ok = [r.latency_s for r in mine if r.outcome == "ok"]
+        failed = [r for r in mine if r.outcome == "failed"]
+        excused = [r for r in failed if pipeline in ("image_classification", "router:image_classification")
+                   and in_kill_window(r)]
+        rows.append([pipeline, len(mine), len(ok), sum(r.outcome == "refused" for r in mine),
+                     len(failed) - len(excused), len(excused),
+                     f"{statistics.median(ok) * 1000:.1f}" if ok else "-", f"{p99_ms(ok):.1f}" if ok else "-"])
+    totals = defaultdict(int)
+    for r in records:
+        totals[r.outcome] += 1
+    minutes = int(seconds // 60) or 1
+    over_time = []
+    for minute in range(minutes + 1):
+        window = [r for r in records if minute * 60 <= r.at < (minute + 1) * 60 and r.outcome == "ok"
+                  and not r.pipeline.startswith("hostile")]
+        if window:
+            over_time.append([minute, len(window)] + [f"{p99_ms(r.latency_s for r in window if r.pipeline == p):.0f}"
+                                                      for p in ("text_embedding", "image_classification",
+                                                                "speech_recognition", "router:text_classification")])
+    first, last = soak.samples[0], soak.samples[-1]
+    memory = [[name, f"{first['rss'].get(name, 0) / 2**20:.0f}", f"{last['rss'].get(name, 0) / 2**20:.0f}",
+               f"{max(s['rss'].get(name, 0) for s in soak.samples) / 2**20:.0f}"] for name in sorted(last["rss"])]
+    shm = [[name, f"{first['shm'].get(name, 0) / 2**20:.0f}", f"{last['shm'].get(name, 0) / 2**20:.0f}",
+            f"{max(s['shm'].get(name, 0) for s in soak.samples) / 2**20:.0f}"] for name in sorted(last["shm"])]
+    hung = getattr(soak, "hung_window", None)
+    gateway_line = ""
+    if hung:
+        routed = [r for r in records if r.pipeline == "router:text_classification" and r.outcome == "ok"]
+        before = [r.latency_s for r in routed if hung[0] - 30 <= r.at < hung[0]]
+        during = [r.latency_s for r in routed if hung[0] <= r.at < hung[1]]
+        gateway_line = (f"- **Hung gateway**: with 8 gateway calls hanging for 30 s, router → text_classification "
+                        f"answered {len(during)} requests with p99 {p99_ms(during):.1f} ms (p50 "
+                        f"{statistics.median(during) * 1000:.1f} ms) against p99 {p99_ms(before):.1f} ms (p50 "
+                        f"{statistics.median(before) * 1000:.1f} ms) in the 30 s before.\n" if before and during else "")
+    unexpected = sum(row[4] for row in rows)
+    events = "\n".join(f"- {at:.0f} s: {text}" for at, text in soak.events[:40])
+    return f"""# Reliability: soak run
+
+Written by `make soak` (`python -m benchmarks.soak --seconds {seconds:.0f}`): {seconds / 60:.0f} minutes of mixed
+traffic over every pipeline through the public ports, a hostile client mixed in, and two injected
+faults. One run on one machine ({os.cpu_count()} cores, shared: latencies include other work on it).
+
+## Summary
+
+- {len(records)} requests: {totals['ok']} answered, {totals['refused']} hostile requests refused as they should be,
+  **{unexpected} unexpected failures** (outside the killed stub's window).
+{gateway_line}- **Killed stub**: image_preprocess's stub was killed at {kill[0]:.0f} s; the image requests that failed
+  in the 15 s after it are counted apart (the watchdog reloads the model within seconds).
+
+## Requests per pipeline
+
+{markdown_table(["pipeline", "requests", "answered", "refused (hostile)", "failed", "failed in the kill window",
+                 "p50 ms", "p99 ms"], rows)}
+
+## p99 (ms) per minute
+
+{markdown_table(["minute", "answered", "text_embedding", "image_classification", "speech_recognition",
+                 "router → text_classification"], over_time)}
+
+## Memory: RSS per process (MiB) — first sample, last sample, peak
+
+{markdown_table(["process", "first", "last", "peak"], memory)}
+
+## /dev/shm per model (MiB) — first sample, last sample, peak
+
+{markdown_table(["model", "first", "last", "peak"], shm)}
+
+## Events
+
+{events or "- none"}
+"""
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=float(os.environ.get("SOAK_SECONDS", 600)))
+    parser.add_argument("--report", type=Path, default=ROOT / "docs" / "reliability.md")
+    args = parser.parse_args(argv)
+    from tests.fake_gateway import FakeGateway, Reply
+
+    fake = FakeGateway().start()
+    fake.default = Reply(delay_s=0.05)
+    os.environ.update(LLM_GATEWAY_BASE_URL=fake.base_url, LLM_GATEWAY_API_KEY="sk-soak-" + os.urandom(8).hex())
+    repository = Path(os.environ.get("SOAK_MODEL_REPOSITORY", ROOT / "model_repository"))
+    server = start_on_free_ports(repository, ROOT / ".cache" / "soak-server.log")
+    try:
+        soak = Soak(server, args.seconds)
+        soak.run(fake)
+    finally:
+        server.stop()
+        fake.stop()
+    args.report.write_text(report(soak, args.seconds))
+    print(f"wrote {args.report}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

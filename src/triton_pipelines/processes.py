@@ -1,0 +1,119 @@
+"""Process helpers of the launcher: children that die with it, free ports, and the Python-backend
+stub processes of a ``tritonserver`` read from ``/proc`` (Linux)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+STUB_BINARY = "triton_python_backend_stub"
+SHM_DIR = Path("/dev/shm")
+
+
+def terminate_with_parent() -> None:
+    """In a child before exec: SIGTERM it if the launcher dies without stopping it (Linux)."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
+def free_ports(count: int) -> list[int]:
+    """Ports the OS reports free right now (bound then released together)."""
+    sockets = []
+    for _ in range(count):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        sockets.append(s)
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+@dataclass(frozen=True)
+class Stub:
+    """One Python-backend stub process: ``triton_python_backend_stub <model.py> <shm region>
+    <default size> <growth size> <server pid> <backend dir> <ipc handle> <instance name> ...``."""
+    pid: int
+    model_path: Path  # <repository>/<model>/<version>/model.py
+    shm_region: str
+    server_pid: int
+    instance: str  # e.g. text_tokenizer_0_0
+
+    @property
+    def model(self) -> str:
+        return self.model_path.parent.parent.name
+
+    @property
+    def version(self) -> str:
+        return self.model_path.parent.name
+
+    @property
+    def identity(self) -> tuple[str, str, str]:
+        """Stable across reloads (a new process of the same instance has a new pid)."""
+        return self.model, self.version, self.instance
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def find_stubs(server_pid: int | None = None) -> list[Stub]:
+    """Live stub processes (of ``server_pid`` only, when given)."""
+    stubs = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        argv = _cmdline(int(entry.name))
+        if len(argv) < 9 or not argv[0].endswith(STUB_BINARY) or not _alive(int(entry.name)):
+            continue
+        try:
+            stub = Stub(int(entry.name), Path(argv[1]), argv[2], int(argv[5]), argv[8])
+        except ValueError:
+            continue
+        if server_pid is None or stub.server_pid == server_pid:
+            stubs.append(stub)
+    return stubs
+
+
+def shm_bytes(region: str) -> int:
+    try:
+        return (SHM_DIR / region).stat().st_size
+    except OSError:
+        return 0
+
+
+def remove_leftovers(server_pid: int, shm_prefix: str) -> tuple[int, int]:
+    """After ``server_pid`` died: kill its orphaned stubs (they outlive a crashed server) and unlink
+    its shared-memory regions. Returns (stubs killed, bytes of /dev/shm freed)."""
+    killed = 0
+    for stub in find_stubs(server_pid):
+        try:
+            os.kill(stub.pid, signal.SIGKILL)
+            killed += 1
+        except ProcessLookupError:
+            pass
+    freed = 0
+    for region in SHM_DIR.glob(f"{shm_prefix}*"):
+        try:
+            freed += region.stat().st_size
+            region.unlink()
+        except OSError:
+            pass
+    return killed, freed

@@ -1,0 +1,71 @@
+"""Custom metrics on Triton's ``/metrics`` through ``pb_utils.MetricFamily``.
+
+Families are kept alive for the model's lifetime (a Metric outliving its MetricFamily fails); one
+Metric per label set, created on first use."""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import triton_python_backend_utils as pb_utils
+
+from ..gateway import Completion
+from ..routing import RoutedRequest
+
+LATENCY_BUCKETS_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
+
+
+class MetricSet:
+    def __init__(self, specs: Mapping[str, tuple[str, str, str]]):
+        """``specs``: key → (metric name, description, counter|gauge|histogram)."""
+        # The stub defines MetricFamily after our module is imported: look it up here.
+        family = pb_utils.MetricFamily
+        kinds = {"counter": family.COUNTER, "gauge": family.GAUGE, "histogram": family.HISTOGRAM}
+        self.families = {key: family(name, description, kinds[kind]) for key, (name, description, kind) in specs.items()}
+        self.kinds = {key: kind for key, (_, _, kind) in specs.items()}
+        self.metrics = {}
+
+    def __call__(self, key: str, **labels: str):
+        index = (key, tuple(sorted(labels.items())))
+        if index not in self.metrics:
+            extra = {"buckets": LATENCY_BUCKETS_S} if self.kinds[key] == "histogram" else {}
+            self.metrics[index] = self.families[key].Metric(labels=labels, **extra)
+        return self.metrics[index]
+
+
+class RouterMetrics(MetricSet):
+    """The router's metrics (``router_service.Recorder``)."""
+
+    def __init__(self):
+        super().__init__({
+            "requests": ("router_requests_total", "Router requests by task, route and outcome (success|error); "
+                         "Triton's own counters count error responses as successes", "counter"),
+            "failures": ("router_failures_total", "Router requests that failed, by task, route and reason",
+                         "counter"),
+            "latency": ("router_upstream_latency_seconds",
+                        "Time spent in the upstream call (BLS ensemble or gateway, retries included)", "histogram"),
+            "tokens": ("router_gateway_tokens_total", "Tokens reported by the gateway, by model and direction "
+                       "(input|output)", "counter"),
+            "cost": ("router_gateway_cost_usd_total", "USD spent at the gateway, by model", "counter"),
+            "canary": ("router_canary_requests_total", "Requests served per canary model version, by task",
+                       "counter"),
+            "circuit": ("router_gateway_circuit_open", "1 while the circuit breaker of a gateway model is open",
+                        "gauge"),
+        })
+
+    def request(self, task: str, route: str, reason: str | None, latency_s: float | None,
+                routed: RoutedRequest | None, completion: Completion | None, cost_usd: float) -> None:
+        self("requests", task=task, route=route, outcome="error" if reason else "success").increment(1)
+        if reason:
+            self("failures", task=task, route=route, reason=reason).increment(1)
+        if latency_s is not None:
+            self("latency", task=task, route=route).observe(latency_s)
+        if routed is not None and routed.canary and not reason:
+            self("canary", task=task, model=routed.canary, version=str(routed.model_version)).increment(1)
+        if completion is not None and routed is not None:
+            self("tokens", model=routed.target, direction="input").increment(completion.input_tokens)
+            self("tokens", model=routed.target, direction="output").increment(completion.output_tokens)
+            self("cost", model=routed.target).increment(cost_usd)
+
+    def circuit(self, model: str, open_: bool) -> None:
+        self("circuit", model=model).set(1 if open_ else 0)

@@ -1,0 +1,237 @@
+"""What keeps the server healthy without an operator: the stub watchdog, the launcher's metrics and
+the status server behind the public ``/metrics`` and ``/v2/health/*``.
+
+- ``StubWatchdog``: Triton does not restart a Python-backend stub that died (OOM kill, a crash in a
+  native library, ``kill -9``): the model stays READY while every request to it fails with "Stub
+  process ... is not healthy", and ``load`` is a no-op for it. The watchdog compares the stubs each
+  READY model had with the live ones (``/proc``), and reloads a model that lost one with its own
+  config plus a new ``watchdog_generation`` parameter: a changed config makes Triton load new
+  instances and swap them in (no moment without the model, so ensembles calling it never see it
+  missing). Triton 2.51 never releases the old instance once its dead stub has failed a request
+  (its unload waits forever): those models are remembered as ``leaked`` so the stop does not
+  wait for them.
+- ``LauncherMetrics``: counters of those repairs and of server restarts, in Prometheus text format.
+- ``StatusServer``: a loopback HTTP server that nginx routes ``/metrics`` (Triton's metrics plus
+  ours) and ``/v2/health/ready|live`` to. Ready means Triton is ready AND no stub is dead AND the
+  server is not restarting, so a load balancer or a Kubernetes probe sees what Triton's own
+  readiness does not.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Callable
+
+from .control import ControlClient, ControlError
+from .processes import Stub, find_stubs
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+class LauncherMetrics:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.server_restarts = 0
+        self.proxy_restarts = 0
+        self.stub_restarts: Counter[str] = Counter()
+        self.model_ready: dict[tuple[str, str], int] = {}
+
+    def render(self) -> str:
+        with self.lock:
+            lines = [
+                "# HELP launcher_tritonserver_restarts_total tritonserver processes restarted by the launcher "
+                "after an unexpected exit",
+                "# TYPE launcher_tritonserver_restarts_total counter",
+                f"launcher_tritonserver_restarts_total {self.server_restarts}",
+                "# HELP launcher_proxy_restarts_total nginx (the public front) restarted after an unexpected exit",
+                "# TYPE launcher_proxy_restarts_total counter",
+                f"launcher_proxy_restarts_total {self.proxy_restarts}",
+                "# HELP launcher_stub_restarts_total Models reloaded because one of their Python-backend stub "
+                "processes died",
+                "# TYPE launcher_stub_restarts_total counter",
+            ]
+            lines += [f'launcher_stub_restarts_total{{model="{_escape(m)}"}} {n}'
+                      for m, n in sorted(self.stub_restarts.items())]
+            lines += ["# HELP launcher_model_ready 1 when the model version is READY and all its Python stubs "
+                      "are alive, else 0",
+                      "# TYPE launcher_model_ready gauge"]
+            lines += [f'launcher_model_ready{{model="{_escape(m)}",version="{_escape(v)}"}} {state}'
+                      for (m, v), state in sorted(self.model_ready.items())]
+        return "\n".join(lines) + "\n"
+
+
+class StubWatchdog:
+    """Reloads models whose Python stubs died. ``check()`` is called periodically by the launcher."""
+
+    def __init__(self, control: ControlClient, server_pid: Callable[[], int], metrics: LauncherMetrics,
+                 log: Callable[[str], None], reload_timeout_s: float = 120.0):
+        self.control = control
+        self.server_pid = server_pid
+        self.metrics = metrics
+        self.log = log
+        self.reload_timeout_s = reload_timeout_s
+        # (model, version) → identities of the stubs it had while READY
+        self.expected: dict[tuple[str, str], set[tuple[str, str, str]]] = {}
+        self.dead: dict[str, list[str]] = {}  # model → dead instance names (until repaired)
+        self.leaked: set[str] = set()  # models with an instance Triton will never finish unloading
+        self.generation = 0
+
+    def reset(self) -> None:
+        """A new server process: nothing is expected of it yet."""
+        self.expected.clear()
+        self.dead.clear()
+        self.leaked.clear()
+
+    def reload(self, model: str) -> None:
+        """Load ``model`` again with its config and a new generation: new instances replace the old."""
+        config = self.control.config(model)
+        self.generation += 1
+        config.setdefault("parameters", {})["watchdog_generation"] = {"string_value": str(self.generation)}
+        self.control.load(model, config=config, timeout_s=self.reload_timeout_s)
+
+    def _ready_versions(self) -> set[tuple[str, str]]:
+        return {(m["name"], str(m.get("version", ""))) for m in self.control.index() if m.get("state") == "READY"}
+
+    def _still_configured(self, model: str, instance: str) -> bool:
+        """An instance name ``<model>_<group>_<index>`` is still expected by the model's config
+        (a reload with fewer instances is not a death)."""
+        try:
+            groups = self.control.config(model).get("instance_group", [])
+            group, index = (int(part) for part in instance[len(model) + 1:].split("_")[-2:])
+        except (ControlError, ValueError, OSError):
+            return True
+        return group < len(groups) and index < int(groups[group].get("count", 1))
+
+    def check(self) -> list[str]:
+        """Find dead stubs, reload their models; returns the models reloaded."""
+        ready = self._ready_versions()
+        stubs: list[Stub] = find_stubs(self.server_pid())
+        ready_again = self._ready_versions()  # a model that was reloaded meanwhile is not judged
+        alive = {stub.identity for stub in stubs}
+        for key in list(self.expected):
+            if key not in ready or key not in ready_again:
+                del self.expected[key]
+        for stub in stubs:
+            key = (stub.model, stub.version)
+            if key in ready and key in ready_again:
+                self.expected.setdefault(key, set()).add(stub.identity)
+        dead: dict[str, list[str]] = {}
+        for key, identities in self.expected.items():
+            for identity in identities - alive:
+                if self._still_configured(identity[0], identity[2]):
+                    dead.setdefault(identity[0], []).append(identity[2])
+                else:
+                    identities.discard(identity)
+        with self.metrics.lock:
+            self.metrics.model_ready = {key: int(key[0] not in dead) for key in ready}
+        self.dead = dead
+        repaired = []
+        for model, instances in sorted(dead.items()):
+            self.log(f"watchdog: Python stub(s) {', '.join(sorted(instances))} of model '{model}' died; "
+                     f"reloading '{model}'")
+            started = time.monotonic()
+            self.leaked.add(model)
+            try:
+                self.reload(model)
+            except (ControlError, OSError, urllib.error.URLError) as error:
+                self.log(f"watchdog: reloading '{model}' failed: {error}; will retry")
+                continue
+            for key in [k for k in self.expected if k[0] == model]:
+                del self.expected[key]
+            with self.metrics.lock:
+                self.metrics.stub_restarts[model] += 1
+            self.dead.pop(model, None)
+            repaired.append(model)
+            self.log(f"watchdog: '{model}' reloaded in {time.monotonic() - started:.1f} s")
+        return repaired
+
+    def problems(self) -> list[str]:
+        return [f"model '{m}': Python stub(s) {', '.join(sorted(i))} died (reloading)"
+                for m, i in sorted(self.dead.items())]
+
+
+class StatusServer:
+    """Loopback HTTP server for nginx: ``/metrics`` and ``/v2/health/ready|live``."""
+
+    def __init__(self, triton_http: Callable[[], str], triton_metrics: Callable[[], str],
+                 live: Callable[[], bool], problems: Callable[[], list[str]], metrics: LauncherMetrics):
+        status = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                path = self.path.split("?", 1)[0]
+                if path == "/metrics":
+                    self.reply(200, status.metrics_text(), "text/plain; version=0.0.4; charset=utf-8")
+                elif path == "/v2/health/live":
+                    ok = live()
+                    self.reply(200 if ok else 503, b"" if ok else json.dumps(
+                        {"error": "tritonserver is not running (restarting)"}).encode())
+                elif path == "/v2/health/ready":
+                    reasons = status.not_ready_reasons()
+                    self.reply(503 if reasons else 200,
+                               json.dumps({"error": "not ready: " + "; ".join(reasons)}).encode() if reasons else b"")
+                else:
+                    self.reply(404, b'{"error":"not found"}')
+
+            do_HEAD = do_GET
+
+            def reply(self, code: int, body: bytes, content_type: str = "application/json"):
+                self.send_response(code)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(body)
+
+        self.triton_http = triton_http
+        self.triton_metrics = triton_metrics
+        self.live = live
+        self.problems = problems
+        self.metrics = metrics
+        class Server(ThreadingHTTPServer):
+            daemon_threads = True
+
+            def handle_error(self, request, client_address):  # a caller that hung up: nothing to say
+                pass
+
+        self.httpd = Server(("127.0.0.1", 0), Handler)
+        self.port = self.httpd.server_address[1]
+        self.thread = threading.Thread(target=self.httpd.serve_forever, name="status-server", daemon=True)
+        self.thread.start()
+
+    def metrics_text(self) -> bytes:
+        try:
+            with urllib.request.urlopen(f"http://{self.triton_metrics()}/metrics", timeout=5) as response:
+                triton = response.read()
+        except (urllib.error.URLError, OSError):
+            triton = b""
+        return triton + self.metrics.render().encode()
+
+    def not_ready_reasons(self) -> list[str]:
+        reasons = list(self.problems())
+        if not self.live():
+            return ["tritonserver is not running (restarting)"] + reasons
+        try:
+            with urllib.request.urlopen(f"http://{self.triton_http()}/v2/health/ready", timeout=5) as response:
+                if response.status != 200:
+                    reasons.append("tritonserver is not ready")
+        except (urllib.error.URLError, OSError):
+            reasons.append("tritonserver is not ready (models loading or unloading)")
+        return reasons
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()

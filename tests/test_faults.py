@@ -1,0 +1,271 @@
+"""Faults and overload on a server of this module's own (text, image and router pipelines, the
+gateway pointed at the local fake): hung gateway calls, 3x saturation, a killed Python stub, a
+crashed tritonserver. Each proves its guarantee through the public ports."""
+
+from __future__ import annotations
+
+import os
+import signal
+import statistics
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+
+from triton_pipelines.client import InferenceServerException, TritonClient, text_tensor
+from triton_pipelines.launcher import start_on_free_ports
+from triton_pipelines.processes import SHM_DIR, find_stubs
+
+from .conftest import LOG_DIR, ensure_repository
+from .fake_gateway import Reply
+from .router_helpers import metric, route, scrape
+
+MODELS = ["router", "text_classification", "text_classification_v2", "text_embedding", "text_embedding_v2",
+          "text_tokenizer", "text_encoder", "embedding_pooler", "intent_classifier", "image_classification",
+          "image_preprocess", "resnet50", "classification_postprocess"]
+JPEG = (Path(__file__).resolve().parent / "data" / "scene.jpg").read_bytes()
+
+
+@pytest.fixture(scope="module")
+def server(fake):
+    saved = {k: os.environ.get(k) for k in ("LLM_GATEWAY_BASE_URL", "LLM_GATEWAY_API_KEY")}
+    os.environ.update(LLM_GATEWAY_BASE_URL=fake.base_url, LLM_GATEWAY_API_KEY="sk-faults-" + os.urandom(8).hex())
+    try:
+        launched = start_on_free_ports(ensure_repository(), LOG_DIR / "test-faults-server.log", models=MODELS)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    yield launched
+    launched.stop()
+
+
+def ready(server) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{server.http_url}/v2/health/ready", timeout=2) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def latencies(call, count: int) -> list[float]:
+    timings = []
+    for i in range(count):
+        started = time.perf_counter()
+        call(i)
+        timings.append(time.perf_counter() - started)
+    return timings
+
+
+def p99(values: list[float]) -> float:
+    return float(np.percentile(values, 99))
+
+
+def test_hung_gateway_calls_do_not_hold_up_self_hosted_tasks(server, fake):
+    """Eight gateway calls hang; router → text_classification keeps its p99 (one router instance:
+    every request is its own task, nothing waits behind a gateway call)."""
+    client = TritonClient("grpc", server.grpc_url)
+
+    def classify(i):
+        return route(client, "text_classification", {"text": f"I was charged twice, case {i % 5}"})
+
+    latencies(classify, 20)  # warm
+    before = latencies(classify, 150)
+    fake.reset()
+    fake.default = Reply(delay_s=120)
+    hung_clients = [TritonClient("grpc", server.grpc_url) for _ in range(8)]
+    pool = ThreadPoolExecutor(8)
+    hung = [pool.submit(route, hung_clients[i], "general_llm", {"text": f"hang {i}"}) for i in range(8)]
+    deadline = time.monotonic() + 10
+    while len(fake.requests) < 8 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(fake.requests) == 8 and not any(f.done() for f in hung)
+    during = latencies(classify, 150)
+    assert not any(f.done() for f in hung)  # still hung all along
+    fake.reset()  # the gateway answers them now
+    assert all(f.result(timeout=30)["route"] == "gateway" for f in hung)
+    pool.shutdown()
+    print(f"router→text_classification p99 {p99(before) * 1e3:.1f} ms before, {p99(during) * 1e3:.1f} ms with "
+          f"8 hung gateway calls; p50 {statistics.median(before) * 1e3:.1f} / {statistics.median(during) * 1e3:.1f} ms")
+    # Waiting behind a hung call would cost seconds (they hang 120 s). The exact p99 difference is
+    # measured by `make soak` on a quiet machine (docs/reliability.md), not asserted here.
+    assert p99(during) <= 2 * p99(before) + 0.05, (p99(before), p99(during))
+    for c in hung_clients + [client]:
+        c.close()
+
+
+def test_a_request_past_its_deadline_fails_at_the_deadline(server, fake):
+    """The gateway hangs: the request ends at the task's deadline (retries included), not after
+    attempts x timeout."""
+    fake.reset()
+    fake.default = Reply(delay_s=120)
+    client = TritonClient("http", server.http_url)
+    router_dir = Path(server.options.model_repository) / "router" / "1"
+    import yaml
+
+    deadline = yaml.safe_load((router_dir / "routes.yaml").read_text())["gateway"]["deadline_s"]
+    started = time.monotonic()
+    with pytest.raises(InferenceServerException) as error:
+        route(client, "general_llm", {"text": "hang"})
+    elapsed = time.monotonic() - started
+    fake.reset()
+    assert "did not answer" in str(error.value) or "deadline" in str(error.value)
+    assert deadline - 1 <= elapsed <= deadline + 3, elapsed
+
+
+def test_three_times_saturation_is_refused_fast_and_the_rest_keeps_a_bounded_p99(server):
+    """Open-loop load at 3x what text_embedding sustains: the excess is refused at once with
+    UNAVAILABLE (bounded queues), accepted requests keep a p99 bounded by the queue time-out."""
+    texts = [f"where is my parcel number {i}? it was due yesterday" for i in range(64)]
+    clients = [TritonClient("grpc", server.grpc_url) for _ in range(16)]
+
+    def closed_loop(index, stop):
+        done = 0
+        while time.monotonic() < stop:
+            clients[index].infer("text_embedding", {"text": text_tensor([texts[done % 64]])})
+            done += 1
+        return done
+
+    stop = time.monotonic() + 4
+    with ThreadPoolExecutor(16) as pool:
+        capacity = sum(pool.map(lambda i: closed_loop(i, stop), range(16))) / 4
+    rate = 3 * capacity
+    grpc = grpcclient.InferenceServerClient(server.grpc_url)
+    results, lock = [], threading.Lock()
+
+    def send(i):
+        tensor = grpcclient.InferInput("text", [1, 1], "BYTES")
+        tensor.set_data_from_numpy(text_tensor([texts[i % 64]]))
+        started = time.monotonic()
+
+        def done(result, error):
+            with lock:
+                results.append((time.monotonic() - started, error))
+
+        grpc.async_infer("text_embedding", [tensor], done)
+
+    duration = 8
+    begin = time.monotonic()
+    sent = 0
+    while time.monotonic() - begin < duration:
+        due = int((time.monotonic() - begin) * rate)
+        while sent < due:
+            send(sent)
+            sent += 1
+        time.sleep(0.002)
+    deadline = time.monotonic() + 60
+    while len(results) < sent and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(results) == sent
+    accepted = [s for s, e in results if e is None]
+    refused = [(s, e) for s, e in results if e is not None]
+    print(f"capacity {capacity:.0f}/s, offered {sent / duration:.0f}/s: {len(accepted)} accepted "
+          f"(p99 {p99(accepted):.2f} s), {len(refused)} refused (p50 {statistics.median(s for s, _ in refused):.3f} s)")
+    assert refused, "3x saturation and nothing refused: the queues are not bounded"
+    assert all(e.status() == "StatusCode.UNAVAILABLE" for _, e in refused), {e.message() for _, e in refused}
+    assert statistics.median(s for s, _ in refused) < 0.25  # refused at once, not after queueing
+    assert p99(accepted) < 4.0  # the realtime queue's 2 s time-out plus execution
+    assert len(accepted) >= 0.5 * capacity * duration  # it kept serving at (about) capacity
+    grpc.close()
+    for c in clients:
+        c.close()
+
+
+def test_a_crashed_tritonserver_is_restarted_and_its_leftovers_removed(server):
+    old_pid = server.process.pid
+    old_stubs = find_stubs(old_pid)
+    old_regions = {p.name for p in SHM_DIR.glob(f"{server.shm_prefix}*")}
+    assert old_stubs and old_regions
+    os.kill(old_pid, signal.SIGSEGV)  # what the 4 MiB JSON body used to do
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and (server.process.pid == old_pid or not ready(server)):
+        time.sleep(0.5)
+    assert ready(server) and server.process.pid != old_pid
+    assert metric(scrape(server.metrics_url), "launcher_tritonserver_restarts_total") == 1
+    assert not find_stubs(old_pid)
+    assert not old_regions & {p.name for p in SHM_DIR.glob(f"{server.shm_prefix}*")}
+    client = TritonClient("http", server.http_url)
+    assert client.infer("text_embedding", {"text": text_tensor(["after the crash"])})["embedding"].shape == (1, 384)
+    assert "tritonserver exited unexpectedly (signal 11)" in (LOG_DIR / "test-faults-server.log").read_text(
+        errors="replace")
+
+
+def test_a_killed_stub_is_back_within_seconds_and_nothing_else_fails(server):
+    """kill -9 of image_preprocess's stub under load: the watchdog reloads the model; readiness says
+    so meanwhile; text requests never fail; images are served again within 10 s."""
+    stop = threading.Event()
+    text_failures, image_ok, image_failed, not_ready = [], [], [], []
+
+    def text_load():
+        client = TritonClient("grpc", server.grpc_url)
+        while not stop.is_set():
+            try:
+                client.infer("text_embedding", {"text": text_tensor(["still fine"])})
+            except InferenceServerException as error:
+                text_failures.append(str(error))
+
+    def image_load():
+        client = TritonClient("grpc", server.grpc_url)
+        while not stop.is_set():
+            try:
+                client.infer("image_classification", {"image": text_tensor([JPEG])})
+                image_ok.append(time.monotonic())
+            except InferenceServerException:
+                image_failed.append(time.monotonic())
+                time.sleep(0.05)
+
+    def readiness():
+        while not stop.is_set():
+            if not ready(server):
+                not_ready.append(time.monotonic())
+            time.sleep(0.1)
+
+    before = metric(scrape(server.metrics_url), "launcher_stub_restarts_total", model="image_preprocess")
+    threads = [threading.Thread(target=f) for f in (text_load, text_load, image_load, readiness)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(1.5)
+        (stub,) = [s for s in find_stubs(server.process.pid) if s.model == "image_preprocess"]
+        killed_at = time.monotonic()
+        os.kill(stub.pid, signal.SIGKILL)
+        deadline = killed_at + 20
+        while time.monotonic() < deadline:
+            failed = [t for t in image_failed if t >= killed_at]
+            if failed and [t for t in image_ok if t > failed[0]] and ready(server):
+                break
+            time.sleep(0.1)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    failed = [t for t in image_failed if t >= killed_at]
+    back = [t for t in image_ok if failed and t > failed[0]]
+    assert failed, "the killed stub never failed a request: was it the serving one?"
+    assert back and back[0] - killed_at <= 10, "image_classification did not come back within 10 s"
+    assert not text_failures, text_failures[:3]
+    assert not_ready and not_ready[0] >= killed_at  # readiness saw the dead stub
+    assert ready(server)
+    after = metric(scrape(server.metrics_url), "launcher_stub_restarts_total", model="image_preprocess")
+    assert after - before == 1
+    assert "Python stub(s) image_preprocess_0_0 of model 'image_preprocess' died" in (
+        LOG_DIR / "test-faults-server.log").read_text(errors="replace")
+
+
+def test_stop_is_prompt_after_a_dead_stub(server):
+    """Triton 2.51 never releases the instance whose dead stub failed requests; the drain does not
+    wait for it and Triton's exit timeout is cut short: a stop takes seconds, not the timeout."""
+    assert server.watchdog.leaked == {"image_preprocess"}
+    started = time.monotonic()
+    server.stop()
+    assert time.monotonic() - started < 25
+    assert not find_stubs(server.process.pid)
+    assert not list(SHM_DIR.glob(f"{server.shm_prefix}*"))
