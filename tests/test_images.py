@@ -43,11 +43,16 @@ IMAGES = {
     "serving": ("3.10", 35, [("requirements-serving.txt", False)], []),
     "cpu-serving": ("3.11", 36, [("requirements-embedded.txt", False)], []),
 }
+# Not an image: the embedded runtime on a local GPU (benchmarks/gpu.sh), checked the same way.
+LOCAL_GPU = ("3.11", 28, [("requirements-gpu.txt", False)], [])
 # What each base image is known to have on its PATH (NGC images have python3, not python).
 EXECUTABLES = {
     "nvcr.io/nvidia/tritonserver:24.10-py3": {"python3", "pip", "bash", "curl", "tritonserver"},
     "nvcr.io/nvidia/tensorrt:24.10-py3": {"python3", "pip", "bash"},
     "python:3.11-slim-bookworm": {"python", "python3", "pip", "bash"},
+    # Their entrypoints take the command as flags.
+    "prom/prometheus:v2.53.0": set(),
+    "grafana/grafana:11.2.0": set(),
 }
 
 
@@ -68,7 +73,7 @@ def test_dockerfile_stages_and_requirements_files_match():
 
 
 def pip_resolves(image: str) -> tuple[str, subprocess.CompletedProcess]:
-    python, glibc, files, pins = IMAGES[image]
+    python, glibc, files, pins = IMAGES.get(image) or LOCAL_GPU
     platforms = [p for p in MANYLINUX if not p.startswith("manylinux_2_") or int(p.split("_")[2]) <= glibc]
     results = []
     for file, no_deps in files + ([(None, False)] if pins else []):
@@ -87,8 +92,8 @@ def pip_resolves(image: str) -> tuple[str, subprocess.CompletedProcess]:
 def test_each_images_requirements_install_on_its_python():
     """The pins of each image must have wheels for the image's Python (e.g. onnxruntime 1.32 has no
     cp310 wheel, transformers 5.24 needs Python 3.11): pip resolves them as the image would."""
-    with ThreadPoolExecutor(len(IMAGES)) as pool:
-        results = dict(pool.map(pip_resolves, IMAGES))
+    with ThreadPoolExecutor(len(IMAGES) + 1) as pool:
+        results = dict(pool.map(pip_resolves, [*IMAGES, "local-gpu"]))
     for image, result in results.items():
         assert result.returncode == 0, f"{image}: {result.stderr[-2000:]}"
 
@@ -104,8 +109,9 @@ def compose(*args: str, profile: str | None = None) -> str:
 
 def test_compose_is_valid_and_the_default_is_the_gpu_profile():
     assert compose("version", "--short").strip() == "2.40.3"
-    assert compose("config", "--services").split() == ["repository-builder", "trt-engine-builder", "triton"]
-    assert sorted(compose("config", "--services", profile="cpu").split()) == ["repository-builder-cpu", "triton-cpu"]
+    monitoring = {"prometheus", "grafana"}
+    assert set(compose("config", "--services").split()) == {"repository-builder", "trt-engine-builder", "triton"} | monitoring
+    assert set(compose("config", "--services", profile="cpu").split()) == {"repository-builder-cpu", "triton-cpu"} | monitoring
 
 
 @pytest.mark.parametrize("profile", ["gpu", "cpu"])
@@ -119,6 +125,8 @@ def test_every_compose_command_runs_an_executable_its_image_has(profile):
         for command in (service.get("command"), (service.get("healthcheck") or {}).get("test", [None])[1:]):
             if not command:
                 continue
+            if not known and command[0].startswith("--"):
+                continue  # flags to the image's own entrypoint
             assert command[0] in known, f"{name}: {command[0]!r} is not in {base} (it has {sorted(known)})"
             if command[1:2] == ["-m"]:  # one of our modules
                 module = command[2].split(".")

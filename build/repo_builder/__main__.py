@@ -16,6 +16,10 @@ def make_parser() -> argparse.ArgumentParser:
                         help=f"the project (python_models/, ensembles/, data/); default ${ROOT_ENV}, else the "
                              f"working directory or a parent of it")
     parser.add_argument("--output", type=Path, help="default: <project root>/model_repository")
+    parser.add_argument("--embedded-execution-providers", default="cpu", metavar="LIST",
+                        help="embedded target: ONNX Runtime providers of the compute models, in preference "
+                             "order: cpu (default), or e.g. tensorrt,cuda,cpu on a local NVIDIA GPU "
+                             "(needs requirements-gpu.txt; see benchmarks/gpu.sh)")
     parser.add_argument("--parts", default=",".join(PARTS),
                         help=f"comma-separated pipelines to build (default: all of {','.join(PARTS)})")
     for part in PARTS.values():
@@ -30,6 +34,11 @@ def parse_context(argv=None) -> tuple[BuildContext, list]:
     unknown = sorted(set(names) - set(PARTS))
     if unknown:
         parser.error(f"unknown parts {unknown}; known: {list(PARTS)}")
+    from triton_pipelines.onnx_runner import PROVIDERS
+
+    unknown = set(args.embedded_execution_providers.split(",")) - set(PROVIDERS)
+    if unknown:
+        parser.error(f"unknown execution providers {sorted(unknown)}; choose among {list(PROVIDERS)}")
     try:
         root = find_project_root(args.project_root)
     except FileNotFoundError as error:

@@ -115,7 +115,9 @@ class ComputeModel:
             digest.update(b"\0")
         return digest.hexdigest()
 
-    def config(self, target: str) -> mc.ModelConfig:
+    def config(self, target: str, execution_providers: str = "cpu") -> mc.ModelConfig:
+        """``execution_providers``: embedded target only, the ONNX Runtime providers of the runner
+        in preference order ("cpu", or e.g. "tensorrt,cuda,cpu" with onnxruntime-gpu)."""
         if target not in TARGETS:
             raise ValueError(f"unknown target {target!r}; choose one of {TARGETS}")
         config = mc.ModelConfig(name=self.name, max_batch_size=self.max_batch_size)
@@ -135,6 +137,8 @@ class ComputeModel:
             config.instance_group.add(kind=mc.ModelInstanceGroup.KIND_CPU, count=1)
             config.parameters["onnx_file"].string_value = "model.onnx"
             config.parameters["intra_op_threads"].string_value = str(self.embedded_cpu_threads)
+            if execution_providers != "cpu":
+                config.parameters["execution_providers"].string_value = execution_providers
             if self.embedded_cached_inputs:
                 unknown = set(self.embedded_cached_inputs) - {t.name for t in self.inputs}
                 if unknown:

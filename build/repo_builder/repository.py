@@ -47,7 +47,7 @@ def build_compute_model(model: ComputeModel, context: BuildContext) -> list[str]
         log(f"{model.name}: exported ONNX in {time.monotonic() - started:.1f} s")
     else:
         log(f"{model.name}: up to date")
-    write_config(model_dir / "config.pbtxt", model.config(context.target))
+    write_config(model_dir / "config.pbtxt", model.config(context.target, context.args.embedded_execution_providers))
     runner = onnx_dir / "model.py"
     if context.target == "embedded":
         shutil.copy2(onnx_runner(context), runner)

@@ -194,7 +194,9 @@ class Launcher:
         self.status = StatusServer(
             triton_http=lambda: self.control.http_url,
             triton_metrics=lambda: f"{LOOPBACK}:{self.internal.metrics}",
-            live=lambda: self.process is not None and self.process.poll() is None and not self._restarting,
+            # Live while the launcher supervises, restarts included: restarting the container would not
+            # do better than the supervisor (readiness says when it cannot serve).
+            live=lambda: self.process is not None and not self.stopping.is_set(),
             problems=self.watchdog.problems, metrics=self.metrics)
         try:
             self.proxy = ProxyProcess(ProxyConfig(

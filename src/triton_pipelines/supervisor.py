@@ -58,8 +58,11 @@ class LauncherMetrics:
                 "processes died",
                 "# TYPE launcher_stub_restarts_total counter",
             ]
-            lines += [f'launcher_stub_restarts_total{{model="{_escape(m)}"}} {n}'
-                      for m, n in sorted(self.stub_restarts.items())]
+            # Every model from the start (at 0): a counter first seen at 1 hides that first restart
+            # from rate() and increase().
+            models = set(self.stub_restarts) | {model for model, _ in self.model_ready}
+            lines += [f'launcher_stub_restarts_total{{model="{_escape(m)}"}} {self.stub_restarts.get(m, 0)}'
+                      for m in sorted(models)]
             lines += ["# HELP launcher_model_ready 1 when the model version is READY and all its Python stubs "
                       "are alive, else 0",
                       "# TYPE launcher_model_ready gauge"]
