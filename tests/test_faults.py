@@ -22,7 +22,7 @@ from triton_pipelines.client import InferenceServerException, TritonClient, text
 from triton_pipelines.launcher import start_on_free_ports
 from triton_pipelines.processes import SHM_DIR, find_stubs
 
-from .conftest import LOG_DIR, ensure_repository
+from .conftest import LOG_DIR, ensure_repository, gateway_environment
 from .fake_gateway import Reply
 from .router_helpers import metric, route, scrape
 
@@ -34,16 +34,8 @@ JPEG = (Path(__file__).resolve().parent / "data" / "scene.jpg").read_bytes()
 
 @pytest.fixture(scope="module")
 def server(fake):
-    saved = {k: os.environ.get(k) for k in ("LLM_GATEWAY_BASE_URL", "LLM_GATEWAY_API_KEY")}
-    os.environ.update(LLM_GATEWAY_BASE_URL=fake.base_url, LLM_GATEWAY_API_KEY="sk-faults-" + os.urandom(8).hex())
-    try:
+    with gateway_environment(fake.base_url, "sk-faults-" + os.urandom(8).hex()):
         launched = start_on_free_ports(ensure_repository(), LOG_DIR / "test-faults-server.log", models=MODELS)
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
     yield launched
     launched.stop()
 
