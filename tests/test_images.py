@@ -191,6 +191,10 @@ def test_the_builder_installed_non_editable_assembles_the_same_repository(wheel,
                            capture_output=True, text=True, cwd=elsewhere, timeout=900)
     assert built.returncode == 0, built.stderr[-3000:]
     assert tree(copy) == tree(reference)
+    dockerfile = DOCKERFILE.read_text().split(" AS builder\n", 1)[1].split("\nFROM ", 1)[0]
+    for source in ("python_models", "ensembles", "data"):  # the image builds on its own (k8s init container)
+        assert f"COPY {source} /opt/triton-pipelines/{source}" in dockerfile
+    assert "ENV TRITON_PIPELINES_ROOT=/opt/triton-pipelines" in dockerfile
     lost = subprocess.run([str(python), "-m", "repo_builder", "--target", "embedded", "--output", str(copy)],
                           capture_output=True, text=True, cwd=elsewhere)
     assert lost.returncode != 0 and "no project found" in lost.stderr  # never its install location
