@@ -5,6 +5,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 BENCH_INSTALLED := $(VENV)/.bench-installed
+# The speech quality tests and benchmark speak their clips with Debian's espeak-ng.
+ESPEAK_INSTALLED := $(VENV)/.espeak-installed
 TARGET ?= embedded
 BUILD_FLAGS ?=
 
@@ -29,8 +31,13 @@ repository: install
 serve: repository
 	$(PY) -m triton_pipelines.launcher --model-repository model_repository
 
-test: repository
+test: repository $(ESPEAK_INSTALLED)
 	$(PY) -m pytest -ra
+
+$(ESPEAK_INSTALLED): $(INSTALLED)
+	@if ! command -v espeak-ng >/dev/null; then \
+	  (apt-get install -y -q espeak-ng || (apt-get update -q && apt-get install -y -q espeak-ng)); fi
+	touch $@
 
 # perf_analyzer needs Debian's libb64 and libcudart.so.12 (from PyPI) even without a GPU.
 $(BENCH_INSTALLED): $(INSTALLED) requirements-bench.txt
@@ -42,7 +49,7 @@ $(BENCH_INSTALLED): $(INSTALLED) requirements-bench.txt
 # Its own repository (with bert-base): building model_repository/ with and without
 # --with-bert-base in turn would delete and re-export bert-base every time.
 BENCH_REPOSITORY := .bench/model_repository
-bench: $(BENCH_INSTALLED)
+bench: $(BENCH_INSTALLED) $(ESPEAK_INSTALLED)
 	$(PY) -m repo_builder --target embedded --output $(BENCH_REPOSITORY) --with-bert-base $(BUILD_FLAGS)
 	BENCH_MODEL_REPOSITORY=$(BENCH_REPOSITORY) $(PY) -m benchmarks
 

@@ -74,7 +74,7 @@ def in_process(repository: Path, wav: bytes, batch_size: int, seconds: float = 8
         prompts = np.array([tokenizer.prompt()] * len(features))
         cross = whisper.encode(features)
         t2 = time.perf_counter()
-        whisper.decode_encoded(cross, prompts, tokenizer.eot, MAX_NEW_TOKENS)
+        whisper.decode_encoded(cross, prompts, tokenizer, MAX_NEW_TOKENS)
         t3 = time.perf_counter()
         split["features"] += t1 - t0
         split["encoder"] += t2 - t1

@@ -265,14 +265,23 @@ def test_gpu_target_defaults_to_large_v3_configs_without_exporting():
     assert list(decoder_config.input[1].dims) == [64, 20, -1, 64] and len(decoder_config.input) == 66
     assert list(decoder_config.output[0].dims) == [51866]
     embedded = BuildContext(target="embedded", output=Path("/nonexistent"), args=args)
-    tiny_encoder, tiny_decoder = part.compute_models(embedded)
-    assert tiny_encoder.config("embedded").backend == "python"
+    base_encoder, base_decoder = part.compute_models(embedded)  # the default: real Whisper base
+    assert base_encoder.config("embedded").backend == "python"
     # one description: same tensors on both targets; on the embedded target the cross K/V are
     # also optional (a BLS caller may name the runner's cached copy instead)
-    embedded_inputs, gpu_inputs = tiny_decoder.config("embedded").input, tiny_decoder.config("gpu").input
+    embedded_inputs, gpu_inputs = base_decoder.config("embedded").input, base_decoder.config("gpu").input
     assert [(t.name, t.data_type, list(t.dims)) for t in embedded_inputs] == \
         [(t.name, t.data_type, list(t.dims)) for t in gpu_inputs]
-    assert [t.name for t in embedded_inputs if t.optional] == cross_names(4)
+    assert list(embedded_inputs[1].dims) == [12, 8, -1, 64]
+    assert [t.name for t in embedded_inputs if t.optional] == cross_names(6)
     assert not any(t.optional for t in gpu_inputs)
-    assert tiny_decoder.config("embedded").parameters["cached_inputs"].string_value == ",".join(cross_names(4))
+    assert base_decoder.config("embedded").parameters["cached_inputs"].string_value == ",".join(cross_names(6))
     assert part.model_table(gpu)[0]["architecture"].startswith("Whisper large-v3")
+    assert "random" in part.model_table(gpu)[0]["weights"]
+    assert part.model_table(embedded)[0]["architecture"].startswith("Whisper base")
+    assert part.model_table(embedded)[0]["weights"].startswith("OpenAI Whisper base")
+    # an explicit size: that architecture with random weights (fast tests)
+    tiny = BuildContext(target="embedded", output=Path("/nonexistent"),
+                        args=argparse.Namespace(whisper_size="tiny", whisper_checkpoint=None))
+    assert part.compute_models(tiny)[1].source_key != base_decoder.source_key
+    assert list(part.compute_models(tiny)[1].config("embedded").input[1].dims) == [8, 6, -1, 64]

@@ -48,7 +48,7 @@ class Reference:
     def windows(self, audio: bytes, language="en", task="transcribe", max_new_tokens=4) -> list[list[int]]:
         features = audio_to_features(audio, self.filters)
         prompts = np.array([self.tokenizer.prompt(language, task)] * len(features))
-        return [self.whisper.decode_windows(features[i:i + 1], prompts[i:i + 1], self.tokenizer.eot,
+        return [self.whisper.decode_windows(features[i:i + 1], prompts[i:i + 1], self.tokenizer,
                                             max_new_tokens)[0] for i in range(len(features))]
 
     def tokens(self, audio: bytes, **options) -> list[int]:
@@ -240,7 +240,7 @@ def test_in_process_onnx_decode_equals_transformers_generate(triton_server, refe
         generated = model.generate(torch.from_numpy(features), decoder_input_ids=torch.from_numpy(prompts),
                                    max_new_tokens=8, do_sample=False, num_beams=1,
                                    suppress_tokens=list(range(tok.eot + 1, tok.n_vocab)))
-    ours = reference.whisper.decode_windows(features, prompts, tok.eot, 8)
+    ours = reference.whisper.decode_windows(features, prompts, tok, 8)
     expected = [[t for t in row if t != tok.eot] for row in generated[:, -8:].tolist()]
     assert ours == expected
 
