@@ -26,6 +26,8 @@ from triton_pipelines.speech import (
     pad_windows,
     plan_request,
     split_windows,
+    SEAM_QUIET_SECONDS,
+    SEAM_SEARCH_SECONDS,
     suppress_mask,
 )
 
@@ -71,12 +73,27 @@ def test_log_mel_matches_hugging_face_feature_extractor(n_mels):
     np.testing.assert_allclose(ours, reference, atol=1e-4, rtol=0)
 
 
-def test_long_audio_is_split_into_30_second_windows():
-    audio = np.arange(int(2.5 * WINDOW_SAMPLES), dtype=np.float32)
+def test_long_audio_is_cut_in_pauses_into_windows_of_at_most_30_s():
+    """Each cut lies in the quietest stretch of the window's last SEAM_SEARCH_SECONDS (here the
+    pauses placed there), every sample lands in exactly one window, none is longer than 30 s."""
+    rng = np.random.default_rng(0)
+    audio = (0.3 * rng.standard_normal(int(75 * SAMPLE_RATE))).astype(np.float32)
+    pauses = [(27.0, 27.5), (55.2, 55.6)]  # the second window starts at the first cut
+    for start, stop in pauses:
+        audio[int(start * SAMPLE_RATE):int(stop * SAMPLE_RATE)] *= 1e-3
     windows = split_windows(audio)
-    assert [len(w) for w in windows] == [WINDOW_SAMPLES, WINDOW_SAMPLES, WINDOW_SAMPLES // 2]
     np.testing.assert_array_equal(np.concatenate(windows), audio)
+    assert all(len(w) <= WINDOW_SAMPLES for w in windows) and len(windows) == 3
+    cuts = np.cumsum([len(w) for w in windows])[:-1] / SAMPLE_RATE
+    for cut, (start, stop) in zip(cuts, pauses):
+        assert start + SEAM_QUIET_SECONDS / 2 <= cut <= stop - SEAM_QUIET_SECONDS / 2, (cut, start, stop)
+    # no pause at all: still windows of 30 - SEAM_SEARCH_SECONDS .. 30 s that cover everything
+    steady = np.ones(int(2.5 * WINDOW_SAMPLES), np.float32)
+    windows = split_windows(steady)
+    assert all(WINDOW_SAMPLES - SEAM_SEARCH_SECONDS * SAMPLE_RATE <= len(w) <= WINDOW_SAMPLES for w in windows[:-1])
+    assert sum(len(w) for w in windows) == len(steady) and len(windows) == 3
     assert [len(w) for w in split_windows(np.zeros(10, np.float32))] == [10]
+    assert [len(w) for w in split_windows(np.zeros(WINDOW_SAMPLES, np.float32))] == [WINDOW_SAMPLES]
 
 
 def test_pad_windows_pads_items_to_the_longest():

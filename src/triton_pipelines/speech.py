@@ -93,10 +93,38 @@ def decode_audio(data: bytes, index: int = 0, input_name: str = "audio",
     return np.ascontiguousarray(mono, dtype=np.float32)
 
 
+# Audio longer than one window is cut in a pause, not at exactly 30 s: within the last
+# SEAM_SEARCH_SECONDS of each window, at the centre of the quietest SEAM_QUIET_SECONDS, so that no
+# word is split between two windows (one would drop it or both would transcribe half of it).
+SEAM_SEARCH_SECONDS = 5.0
+SEAM_QUIET_SECONDS = 0.2
+
+
+def window_cuts(audio: np.ndarray) -> list[int]:
+    """Sample offsets where each window starts: 0, then one cut per window of a longer clip, each
+    window at most 30 s and at least 30 s − ``SEAM_SEARCH_SECONDS``, cut in the quietest stretch."""
+    quiet = int(SEAM_QUIET_SECONDS * SAMPLE_RATE)
+    search = int(SEAM_SEARCH_SECONDS * SAMPLE_RATE)
+    cuts, start = [0], 0
+    while len(audio) - start > WINDOW_SAMPLES:
+        low = start + WINDOW_SAMPLES - search
+        high = min(start + WINDOW_SAMPLES, len(audio) - (quiet - quiet // 2))
+        region = audio[low - quiet // 2:high + quiet - quiet // 2].astype(np.float64)
+        running = np.concatenate([[0.0], np.cumsum(region * region)])
+        power = (running[quiet:] - running[:-quiet]) / quiet  # mean power of the stretch centred on low..high
+        # The latest of the quietest positions (within 1e-10, -100 dBFS: digital silence ties),
+        # so that windows stay long.
+        best = int(np.flatnonzero(power <= power.min() + 1e-10)[-1])
+        start = low + best
+        cuts.append(start)
+    return cuts
+
+
 def split_windows(audio: np.ndarray) -> list[np.ndarray]:
-    """30 s windows (the last one shorter); at least one window, even for a very short clip."""
-    count = max(1, -(-len(audio) // WINDOW_SAMPLES))
-    return [audio[i * WINDOW_SAMPLES:(i + 1) * WINDOW_SAMPLES] for i in range(count)]
+    """Windows of at most 30 s, cut in pauses (``window_cuts``); together exactly the samples of
+    ``audio``. At least one window, even for a very short clip."""
+    cuts = window_cuts(audio) + [len(audio)]
+    return [audio[a:b] for a, b in zip(cuts[:-1], cuts[1:])]
 
 
 def load_mel_filters(path: Path | str, n_mels: int) -> np.ndarray:
