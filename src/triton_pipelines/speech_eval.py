@@ -182,15 +182,15 @@ class FasterWhisperGreedy:
         from faster_whisper.tokenizer import Tokenizer
         from faster_whisper.transcribe import get_suppressed_tokens
 
-        prompts, suppress = [], None
-        for language in languages:
+        prompts, suppress = [], set()
+        for language in languages:  # the suppressed tokens do not depend on the language
             tokenizer = Tokenizer(self.model.hf_tokenizer, True, task=task, language=language)
             prompts.append(self.model.get_prompt(tokenizer, [], without_timestamps=True))
-            suppress = get_suppressed_tokens(tokenizer, [-1])
+            suppress.update(get_suppressed_tokens(tokenizer, [-1]))
         results = self.model.model.generate(
             ctranslate2.StorageView.from_array(np.ascontiguousarray(features, dtype=np.float32)), prompts,
             beam_size=1, max_length=len(prompts[0]) + max_new_tokens, suppress_blank=True,
-            suppress_tokens=list(suppress))
+            suppress_tokens=sorted(suppress))
         eot = self.model.hf_tokenizer.token_to_id("<|endoftext|>")
         return [[t for t in result.sequences_ids[0] if t != eot] for result in results]
 
