@@ -78,6 +78,8 @@ class _Reader:
         self.data, self.offset = memoryview(data), 0
 
     def take(self, fmt: str):
+        if self.offset + struct.calcsize("<" + fmt) > len(self.data):
+            raise WeightsError("model.bin is truncated")
         values = struct.unpack_from("<" + fmt, self.data, self.offset)
         self.offset += struct.calcsize("<" + fmt)
         return values if len(values) > 1 else values[0]

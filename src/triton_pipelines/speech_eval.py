@@ -169,11 +169,11 @@ class FasterWhisperGreedy:
     parity reference (``tokens``: on given features) and the benchmark's competitor
     (``transcribe``: its whole pipeline, features included)."""
 
-    def __init__(self, model_dir, compute_type: str = "float32", cpu_threads: int = 0):
+    def __init__(self, model_dir, compute_type: str = "float32", cpu_threads: int = 0, num_workers: int = 1):
         from faster_whisper import WhisperModel
 
         self.model = WhisperModel(str(model_dir), device="cpu", compute_type=compute_type, cpu_threads=cpu_threads,
-                                  local_files_only=True)
+                                  num_workers=num_workers, local_files_only=True)
 
     def tokens(self, features: np.ndarray, languages: Sequence[str], task: str = "transcribe",
                max_new_tokens: int = 224) -> list[list[int]]:
