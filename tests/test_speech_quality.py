@@ -44,7 +44,7 @@ BATCH = 8  # audio items per request
 PARITY_CLIPS = list(range(0, len(CORPUS), 2))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def repository(triton_server) -> Path:
     repository = Path(triton_server.options.model_repository)
     built = json.loads((repository / ".built").read_text())
@@ -54,12 +54,12 @@ def repository(triton_server) -> Path:
     return repository
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def clips(repository) -> list[bytes]:
     return [speak(sentence.text, sentence.language) for sentence in CORPUS]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def long_clip(repository) -> tuple[bytes, list[str], int, float]:
     """The English sentences in order, 0.6 s apart, after a lead of silence (about 56 s: two
     windows), as 16 kHz WAV; → the WAV, the sentences, the index k of the sentence after the cut,
@@ -95,7 +95,7 @@ def transcribe_all(client: TritonClient, audios, languages, task="transcribe") -
     return results
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def corpus_results(triton_server, clips) -> list[tuple[str, list[int]]]:
     """The whole corpus through the server once (gRPC, batches of 8): decoding it on both
     protocols would double the suite's longest step for the same tensors;
@@ -194,7 +194,7 @@ def test_long_audio_joins_windows_without_dropping_or_repeating_words(client, lo
             assert ref_index != boundary, (ref_index, text)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def faster_whisper_float32(repository) -> FasterWhisperGreedy:
     from repo_builder.ct2_whisper import write_ctranslate2_dir
 
@@ -202,7 +202,7 @@ def faster_whisper_float32(repository) -> FasterWhisperGreedy:
                                cpu_threads=2)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def parity_reference(faster_whisper_float32, clips, repository) -> list[list[int]]:
     """faster-whisper float32's greedy tokens for every corpus clip, from our features."""
     filters = load_mel_filters(repository / "audio_features" / "1" / "mel_filters.npz", 80)

@@ -68,7 +68,7 @@ class Reference:
         return join_transcript(self.tokenizer, self.windows(audio, **options))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def reference(triton_server) -> Reference:
     return Reference(Path(triton_server.options.model_repository))
 
