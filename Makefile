@@ -10,7 +10,7 @@ ESPEAK_INSTALLED := $(VENV)/.espeak-installed
 TARGET ?= embedded
 BUILD_FLAGS ?=
 
-.PHONY: install repository serve test bench clean
+.PHONY: install repository serve test bench bench-speech clean
 
 install: $(INSTALLED)
 
@@ -52,6 +52,10 @@ BENCH_REPOSITORY := .bench/model_repository
 bench: $(BENCH_INSTALLED) $(ESPEAK_INSTALLED)
 	$(PY) -m repo_builder --target embedded --output $(BENCH_REPOSITORY) --with-bert-base $(BUILD_FLAGS)
 	BENCH_MODEL_REPOSITORY=$(BENCH_REPOSITORY) $(PY) -m benchmarks
+
+# Only the speech section of docs/benchmarks.md (Whisper base vs faster-whisper), on model_repository/.
+bench-speech: repository $(BENCH_INSTALLED) $(ESPEAK_INSTALLED)
+	$(PY) -m benchmarks bench_speech
 
 clean:
 	rm -rf $(VENV) .cache .bench model_repository/*/
