@@ -10,7 +10,7 @@ ESPEAK_INSTALLED := $(VENV)/.espeak-installed
 TARGET ?= embedded
 BUILD_FLAGS ?=
 
-.PHONY: install repository serve test bench bench-speech clean
+.PHONY: install repository serve test bench clean
 
 install: $(INSTALLED)
 
@@ -39,6 +39,11 @@ $(ESPEAK_INSTALLED): $(INSTALLED)
 	  (apt-get install -y -q espeak-ng || (apt-get update -q && apt-get install -y -q espeak-ng)); fi
 	touch $@
 
+# Only the speech section of docs/benchmarks.md (Whisper base vs faster-whisper), on model_repository/.
+.PHONY: bench-speech
+bench-speech: repository $(BENCH_INSTALLED) $(ESPEAK_INSTALLED)
+	$(PY) -m benchmarks bench_speech
+
 # perf_analyzer needs Debian's libb64 and libcudart.so.12 (from PyPI) even without a GPU.
 $(BENCH_INSTALLED): $(INSTALLED) requirements-bench.txt
 	@if ! ldconfig -p | grep -q libb64.so.0d; then \
@@ -52,10 +57,6 @@ BENCH_REPOSITORY := .bench/model_repository
 bench: $(BENCH_INSTALLED) $(ESPEAK_INSTALLED)
 	$(PY) -m repo_builder --target embedded --output $(BENCH_REPOSITORY) --with-bert-base $(BUILD_FLAGS)
 	BENCH_MODEL_REPOSITORY=$(BENCH_REPOSITORY) $(PY) -m benchmarks
-
-# Only the speech section of docs/benchmarks.md (Whisper base vs faster-whisper), on model_repository/.
-bench-speech: repository $(BENCH_INSTALLED) $(ESPEAK_INSTALLED)
-	$(PY) -m benchmarks bench_speech
 
 clean:
 	rm -rf $(VENV) .cache .bench model_repository/*/

@@ -32,7 +32,6 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from triton_pipelines.speech import cross_names
 
-from . import ct2_whisper
 from .compute import ComputeModel, LatencyVariant, TensorSpec
 from .files import hash_files
 from .part import BuildContext, Part
@@ -95,6 +94,8 @@ class WhisperSource:
 
     def key(self) -> str:
         """What the exported ONNX depends on (the builder re-exports when it changes)."""
+        from . import ct2_whisper
+
         if self.kind == "checkpoint":
             return "whisper checkpoint " + hash_files(self.checkpoint)
         if self.kind == "pretrained":
@@ -127,6 +128,8 @@ def load_whisper(source: WhisperSource):
     if source.kind == "checkpoint":
         model = WhisperForConditionalGeneration.from_pretrained(str(source.checkpoint), attn_implementation="eager")
     elif source.kind == "pretrained":
+        from . import ct2_whisper
+
         model = ct2_whisper.load_hf_whisper()
         if {key: getattr(model.config, key) for key in WHISPER_SIZES["base"]} != WHISPER_SIZES["base"]:
             raise ct2_whisper.WeightsError("the weights packages do not hold Whisper base")
