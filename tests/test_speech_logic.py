@@ -14,6 +14,8 @@ from triton_pipelines.errors import InputError
 from triton_pipelines.speech import (
     MAX_TARGET_POSITIONS,
     SAMPLE_RATE,
+    SEAM_QUIET_SECONDS,
+    SEAM_SEARCH_SECONDS,
     WINDOW_SAMPLES,
     GreedyBatch,
     WhisperTokenizer,
@@ -26,8 +28,6 @@ from triton_pipelines.speech import (
     pad_windows,
     plan_request,
     split_windows,
-    SEAM_QUIET_SECONDS,
-    SEAM_SEARCH_SECONDS,
     suppress_mask,
 )
 
@@ -227,6 +227,23 @@ def test_greedy_batch_suppresses_special_tokens_except_eot(tokenizer):
     logits[0, 7] = 1.0
     state.advance(logits)
     assert state.tokens == [[7]]
+
+
+def test_greedy_batch_applies_whispers_suppression_and_the_first_token_rule(tokenizer):
+    """The served masks: non-speech symbols never; a blank or <|endoftext|> not as the first token
+    (Whisper's suppress_blank), both allowed afterwards."""
+    mask, begin = tokenizer.suppress_masks(51865)
+    state = GreedyBatch(np.array([tokenizer.prompt()] * 2), tokenizer.eot, 5, mask, begin_mask=begin)
+    blank, symbol = tokenizer.encode(" ")[0], tokenizer.non_speech_tokens[0]
+    first = np.zeros((2, 51865), np.float32)
+    first[0, tokenizer.eot], first[0, 50] = 9.0, 1.0  # eot first → suppressed, 50 wins
+    first[1, blank], first[1, symbol], first[1, 70] = 9.0, 8.0, 1.0  # blank and symbol suppressed
+    state.advance(first)
+    assert state.tokens == [[50], [70]]
+    later = np.zeros((2, 51865), np.float32)
+    later[0, blank], later[1, tokenizer.eot] = 9.0, 9.0
+    state.advance(later)
+    assert state.tokens == [[50, blank], [70]] and state.active.tolist() == [0]
 
 
 def test_greedy_batch_without_compaction_keeps_rows(tokenizer):
