@@ -310,3 +310,26 @@ def test_decoder_instance_without_the_cached_kv_gets_them_again(http_client, ref
     finally:
         control.load("whisper_decoder", config=original)
     assert "input_cache_entries" not in control.config("whisper_decoder")["parameters"]
+
+
+def test_without_the_decoder_cache_windows_are_decoded_in_encoder_sized_groups(http_client, reference, triton_server):
+    """The gpu target's path (no cross-K/V cache in the decoder, device tensors that cannot be
+    joined): more windows than one encoder call takes are decoded group by group. Run here by
+    loading whisper_decode with decoder_input_cache off: the same tokens as the reference."""
+    control = triton_server.control
+    original = control.config("whisper_decode")
+    encoder_batch = int(original["parameters"]["encoder_max_batch_size"]["string_value"])
+    speech = soundfile.read(io.BytesIO(HELLO), dtype="float32")[0]
+    pause = np.zeros(SAMPLE_RATE * 26, np.float32)
+    long_audio = wav_bytes(np.concatenate([np.concatenate([speech, pause])] * (encoder_batch + 1)))
+    windows = len(reference.encoded(long_audio))
+    assert windows > encoder_batch
+    config = json.loads(json.dumps(original))
+    config["parameters"]["decoder_input_cache"] = {"string_value": "false"}
+    control.load("whisper_decode", config=config)
+    try:
+        out = transcribe(http_client, [long_audio], [3])
+        assert ids_of(out["token_ids"][0]) == reference.tokens(long_audio, max_new_tokens=3)
+    finally:
+        control.load("whisper_decode", config=original)
+    assert control.config("whisper_decode")["parameters"]["decoder_input_cache"]["string_value"] == "true"

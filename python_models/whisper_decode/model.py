@@ -44,6 +44,12 @@ class TritonPythonModel:
                          "default_max_new_tokens": int(p["max_new_tokens"])}
         self.encoder_batch = int(p["encoder_max_batch_size"])
         self.decoder_batch = int(p["decoder_max_batch_size"])
+        # Windows decoded together. Embedded: the decoder's whole batch (the encoder's CPU outputs of
+        # several calls are joined). gpu: one encoder call's worth, so its device tensors are the
+        # decoder's cross K/V as they are (device tensors cannot be joined here) and the
+        # self-attention K/V crossing this stub's shared memory stay bounded (docs/speech.md).
+        self.group_size = self.decoder_batch if p.get("decoder_input_cache", "false") == "true" else min(
+            self.decoder_batch, self.encoder_batch)
         vocab_size = int(p["vocab_size"])
         self.tokenizer = WhisperTokenizer.for_vocab_size(version_dir / "multilingual.tiktoken", vocab_size)
         self.mask, self.begin_mask = self.tokenizer.suppress_masks(vocab_size)
@@ -95,8 +101,8 @@ class TritonPythonModel:
         prompts = join([job.prompts for job in jobs])
         bounds = join([job.max_new_tokens for job in jobs])
         window_tokens = []
-        for start in range(0, len(features), self.decoder_batch):
-            stop = start + self.decoder_batch
+        for start in range(0, len(features), self.group_size):
+            stop = start + self.group_size
             window_tokens += self.decode_group(features[start:stop], prompts[start:stop], bounds[start:stop])
         result, offset = [], 0
         for job in jobs:
