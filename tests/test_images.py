@@ -43,8 +43,9 @@ IMAGES = {
     "serving": ("3.10", 35, [("requirements-serving.txt", False)], []),
     "cpu-serving": ("3.11", 36, [("requirements-embedded.txt", False)], []),
 }
-# Not an image: the embedded runtime on a local GPU (benchmarks/gpu.sh), checked the same way.
-LOCAL_GPU = ("3.11", 28, [("requirements-gpu.txt", False)], [])
+# Not an image: the embedded runtime on a local GPU (benchmarks/gpu.sh), checked the same way, on
+# the oldest glibc nvidia-pytriton's wheel accepts (manylinux_2_35: Ubuntu 22.04, Debian 12).
+LOCAL_GPU = ("3.11", 35, [("requirements-gpu.txt", False)], [])
 # What each base image is known to have on its PATH (NGC images have python3, not python).
 EXECUTABLES = {
     "nvcr.io/nvidia/tritonserver:24.10-py3": {"python3", "pip", "bash", "curl", "tritonserver"},
@@ -155,10 +156,13 @@ def wheel(tmp_path_factory) -> Path:
 
 
 def tree(root: Path) -> dict[str, str]:
-    """Relative path → content hash (or link target), excluding build stamps."""
+    """Relative path → content hash (or link target); not the byte code that the server's Python
+    writes next to each model.py it imports."""
     found = {}
     for path in sorted(root.rglob("*")):
         relative = str(path.relative_to(root))
+        if "__pycache__" in path.parts:
+            continue
         if path.is_symlink():
             found[relative] = "-> " + os.readlink(path)
         elif path.is_file():
