@@ -8,14 +8,15 @@ BENCH_INSTALLED := $(VENV)/.bench-installed
 TARGET ?= embedded
 BUILD_FLAGS ?=
 
-.PHONY: install repository serve test bench soak lifecycle clean
+.PHONY: install repository serve test bench soak lifecycle clean prometheus-tools dashboard k8s-rules
 
 install: $(INSTALLED)
 
-# Debian packages: nginx (the public front of the server, see src/triton_pipelines/proxy.py).
-SYSTEM_PACKAGES := nginx-core
+# Debian packages: nginx (the public front of the server, see src/triton_pipelines/proxy.py) and
+# espeak-ng (the speech quality tests and benchmark speak their clips with it).
+SYSTEM_PACKAGES := nginx-core espeak-ng
 
-$(INSTALLED): requirements.txt requirements-nodeps.txt pyproject.toml
+$(INSTALLED): requirements.txt requirements-serving.txt requirements-builder.txt requirements-embedded.txt requirements-nodeps.txt requirements-ops.txt pyproject.toml
 	@missing=""; for package in $(SYSTEM_PACKAGES); do \
 	  dpkg -s $$package >/dev/null 2>&1 || missing="$$missing $$package"; done; \
 	if [ -n "$$missing" ]; then \
@@ -39,8 +40,28 @@ serve: repository
 	$(PY) -m repo_builder plan --check
 	$(PY) -m triton_pipelines.launcher --model-repository model_repository
 
-test: repository
+test: repository prometheus-tools
 	$(PY) -m pytest -ra
+
+# promtool and prometheus for the monitoring tests (tests/test_prometheus*.py): Debian's package
+# (2.42 on bookworm). Its post-install may start the system service: stop it, the tests start
+# their own on free loopback ports.
+prometheus-tools:
+	@if ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null; then \
+	  (apt-get install -y -q --no-install-recommends prometheus || \
+	   (apt-get update -q && apt-get install -y -q --no-install-recommends prometheus)) && \
+	  if [ -x /etc/init.d/prometheus ]; then /etc/init.d/prometheus stop >/dev/null 2>&1 || true; fi; fi
+
+# Regenerate the generated monitoring files after editing their sources (tests fail when stale).
+dashboard: install
+	$(PY) deploy/grafana/build_dashboard.py
+k8s-rules: install
+	$(PY) deploy/k8s/render_prometheusrule.py
+
+# Only the speech section of docs/benchmarks.md (Whisper base vs faster-whisper), on model_repository/.
+.PHONY: bench-speech
+bench-speech: repository $(BENCH_INSTALLED)
+	$(PY) -m benchmarks bench_speech
 
 # perf_analyzer needs Debian's libb64 and libcudart.so.12 (from PyPI) even without a GPU.
 $(BENCH_INSTALLED): $(INSTALLED) requirements-bench.txt

@@ -15,7 +15,8 @@ from pathlib import Path
 from triton_pipelines.launcher import start_on_free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
-REPORT = ROOT / "docs" / "benchmarks.md"
+# benchmarks/gpu.sh writes docs/benchmarks-gpu.md instead.
+REPORT = ROOT / os.environ.get("BENCH_REPORT", "docs/benchmarks.md")
 # Module name under benchmarks/ → its section in the report, in report order.
 BENCHMARKS = ["bench_text", "bench_vision", "bench_speech", "bench_router", "bench_proxy"]
 
@@ -47,8 +48,9 @@ def merge_sections(existing: str, sections: dict[str, str]) -> str:
 
 
 def machine_line() -> str:
+    note = os.environ.get("BENCH_MACHINE_NOTE", "")
     return (f"Machine: {platform.machine()}, {os.cpu_count()} CPU cores, Python {platform.python_version()}, "
-            f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.")
+            f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}." + (f" {note}." if note else ""))
 
 
 def main(argv: list[str]) -> int:

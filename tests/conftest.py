@@ -3,18 +3,21 @@ for both protocols.
 
 The repository is the one `make repository` builds (`make test` builds it first); if it is missing
 the fixture builds it. `TEST_MODEL_REPOSITORY=DIR` points the tests at another built repository
-(e.g. one built with `--parts text`). Server logs go to `.cache/test-server.log`.
+(e.g. one built with `--parts text`). `TEST_SERVER_STATE=DIR` attaches the tests to a launcher that
+is already running (its state folder), e.g. the Python 3.10 rehearsal of the container
+(tests/test_images.py). Server logs go to `.cache/test-server.log`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
 import pytest
 
 from triton_pipelines.client import TritonClient
-from triton_pipelines.launcher import start_on_free_ports
+from triton_pipelines.launcher import RunningServer, start_on_free_ports
 
 from .fake_gateway import FakeGateway
 
@@ -33,6 +36,9 @@ def ensure_repository() -> Path:
 
 @pytest.fixture(scope="session")
 def triton_server():
+    if os.environ.get("TEST_SERVER_STATE"):
+        yield RunningServer(Path(os.environ["TEST_SERVER_STATE"]))
+        return
     server = start_on_free_ports(ensure_repository(), LOG_DIR / "test-server.log")
     yield server
     server.stop()
@@ -62,6 +68,23 @@ def http_client(triton_server) -> TritonClient:
     c = TritonClient("http", triton_server.http_url)
     yield c
     c.close()
+
+
+@contextlib.contextmanager
+def gateway_environment(base_url: str, key: str):
+    """LLM_GATEWAY_BASE_URL / LLM_GATEWAY_API_KEY for a server started inside the block (the
+    router reads them at load); the test process's own values are restored after."""
+    names = ("LLM_GATEWAY_BASE_URL", "LLM_GATEWAY_API_KEY")
+    saved = {name: os.environ.get(name) for name in names}
+    os.environ.update(dict(zip(names, (base_url, key))))
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 @pytest.fixture(scope="module")

@@ -132,14 +132,16 @@ def test_compose_runs_the_launcher_on_the_containers_server_with_valid_flags():
     assert flags <= known, flags - known
 
 
-def test_container_serves_behind_nginx_as_a_non_root_user_on_every_address():
+def test_containers_serve_behind_nginx_as_a_non_root_user_on_every_address():
     dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
-    serving = dockerfile.split(" AS builder")[0]
-    assert "nginx-core" in serving and "USER triton-server" in serving
-    command = compose()["services"]["triton"]["command"]
-    assert command[command.index("--listen-address") + 1] == "0.0.0.0"
-    healthcheck = compose()["services"]["triton"]["healthcheck"]["test"]
-    assert "localhost:8000/v2/health/ready" in healthcheck  # nginx → the launcher's readiness
+    for stage, service in (("serving", "triton"), ("cpu-serving", "triton-cpu")):
+        body = dockerfile.split(f" AS {stage}\n", 1)[1].split("\nFROM ", 1)[0]
+        assert "nginx-core" in body and "USER triton-server" in body, stage
+        command = compose()["services"][service]["command"]
+        assert command[command.index("--listen-address") + 1] == "0.0.0.0"
+        # nginx → the launcher's readiness, which sees dead stubs
+        assert compose()["services"][service]["healthcheck"]["test"][1:] == [
+            "python3", "-m", "triton_pipelines.health", "--url", "localhost:8000"]
 
 
 def test_compose_gives_the_drain_time_before_sigkill():

@@ -93,3 +93,27 @@ def test_no_entries_means_every_later_call_misses():
     assert cache.resolve("slot", arrays(2))["k"].shape == (2, 3)  # this call still gets them
     with pytest.raises(InputError, match="is not cached here"):
         cache.resolve("slot", {})
+
+
+def test_execution_providers_are_chosen_in_order_or_refused_clearly(tmp_path):
+    from triton_pipelines.onnx_runner import providers_for
+
+    gpu_build = ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]
+    chosen = providers_for(["tensorrt", "cuda", "cpu"], gpu_build, tmp_path)
+    assert [name for name, _ in chosen] == gpu_build
+    assert chosen[0][1]["trt_engine_cache_path"] == str(tmp_path) and chosen[0][1]["trt_fp16_enable"]
+    with pytest.raises(ValueError, match="install onnxruntime-gpu"):  # no silent CPU fallback
+        providers_for(["cuda", "cpu"], ["CPUExecutionProvider"])
+    with pytest.raises(ValueError, match="choose among"):
+        providers_for(["rocm"], gpu_build)
+
+
+def test_the_builder_flag_puts_the_providers_in_every_embedded_compute_config():
+    from repo_builder.compute import ComputeModel, TensorSpec
+
+    model = ComputeModel("m", (TensorSpec("x", "TYPE_FP32", (4,)),), (TensorSpec("y", "TYPE_FP32", (4,)),), 8,
+                         export_onnx=lambda path: None)
+    assert "execution_providers" not in model.config("embedded").parameters  # cpu: the default
+    gpu = model.config("embedded", "tensorrt,cuda,cpu")
+    assert gpu.parameters["execution_providers"].string_value == "tensorrt,cuda,cpu"
+    assert "execution_providers" not in model.config("gpu", "tensorrt,cuda,cpu").parameters

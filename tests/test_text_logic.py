@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 
 from repo_builder.text_part import INTENTS_FILE, minilm_dir
+
+from .conftest import PROJECT_ROOT as ROOT
 from triton_pipelines.errors import InputError
 from triton_pipelines.text import (
     LENGTH_BUCKETS,
@@ -110,7 +112,7 @@ def test_intent_prototypes_classify_and_roundtrip(tmp_path):
 
 
 def test_intent_file_has_the_customer_support_intents():
-    examples, temperature = load_intent_examples(INTENTS_FILE)
+    examples, temperature = load_intent_examples(ROOT / INTENTS_FILE)
     assert {"password_reset", "billing", "shipping", "cancellation", "technical_support", "greeting"} <= set(examples)
     assert temperature > 0
 

@@ -319,14 +319,18 @@ def test_gpu_backend_configs_parse_as_model_config(backend):
         assert (reparsed.platform, reparsed.default_model_filename) == ("onnxruntime_onnx", "model.onnx")
     if backend == "onnxruntime_trt":
         (trt,) = accelerators
-        # Keys the onnxruntime backend (24.10) accepts for its "tensorrt" accelerator.
+        # Keys the onnxruntime backend (r24.10 src/onnxruntime.cc) accepts for its "tensorrt"
+        # accelerator, the explicit profile included (it replaces the former warm-up workaround).
         assert trt.name == "tensorrt" and dict(trt.parameters) == {
             "precision_mode": "FP16", "max_workspace_size_bytes": "1073741824",
-            "trt_engine_cache_enable": "1", "trt_engine_cache_path": "/trt_cache"}
-        assert [w.batch_size for w in reparsed.model_warmup] == [1, 32]
-        assert all(w.inputs["pixel_values"].zero_data for w in reparsed.model_warmup)
-    else:  # every compute model is warmed at batch 1 (compute.ComputeModel._add_warmup)
-        assert [w.batch_size for w in reparsed.model_warmup] == [1]
+            "trt_engine_cache_enable": "1", "trt_engine_cache_path": "/trt_cache",
+            "trt_profile_min_shapes": "pixel_values:1x3x224x224",
+            "trt_profile_opt_shapes": "pixel_values:16x3x224x224",
+            "trt_profile_max_shapes": "pixel_values:32x3x224x224"}
+    # every compute model is warmed at batch 1 (compute.ComputeModel._add_warmup); on ORT-TRT that
+    # builds the engine for the whole profile at load
+    assert [w.batch_size for w in reparsed.model_warmup] == [1]
+    assert all(w.inputs["pixel_values"].zero_data for w in reparsed.model_warmup)
     # The embedded target does not depend on the gpu backend.
     assert resnet_description(backend).config("embedded") == resnet_description("onnxruntime_onnx").config("embedded")
 

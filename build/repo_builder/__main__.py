@@ -1,4 +1,4 @@
-"""python -m repo_builder --target embedded|gpu [--output model_repository] [part flags]
+"""python -m repo_builder --target embedded|gpu [--project-root DIR] [--output model_repository] [part flags]
 python -m repo_builder plan [--gpu A100-40GB | --gpu-memory 40GiB | --host] ...: the memory planner (plan.py)"""
 
 import argparse
@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 from .compute import TARGETS
-from .part import PROJECT_ROOT, BuildContext
+from .part import ROOT_ENV, BuildContext, find_project_root
 from .parts import PARTS
 from .repository import build_repository
 
@@ -14,7 +14,14 @@ from .repository import build_repository
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m repo_builder", description=__doc__)
     parser.add_argument("--target", choices=TARGETS, default="embedded")
-    parser.add_argument("--output", type=Path, default=PROJECT_ROOT / "model_repository")
+    parser.add_argument("--project-root", type=Path,
+                        help=f"the project (python_models/, ensembles/, data/); default ${ROOT_ENV}, else the "
+                             f"working directory or a parent of it")
+    parser.add_argument("--output", type=Path, help="default: <project root>/model_repository")
+    parser.add_argument("--embedded-execution-providers", default="cpu", metavar="LIST",
+                        help="embedded target: ONNX Runtime providers of the compute models, in preference "
+                             "order: cpu (default), or e.g. tensorrt,cuda,cpu on a local NVIDIA GPU "
+                             "(needs requirements-gpu.txt; see benchmarks/gpu.sh)")
     parser.add_argument("--parts", default=",".join(PARTS),
                         help=f"comma-separated pipelines to build (default: all of {','.join(PARTS)})")
     for part in PARTS.values():
@@ -29,7 +36,17 @@ def parse_context(argv=None) -> tuple[BuildContext, list]:
     unknown = sorted(set(names) - set(PARTS))
     if unknown:
         parser.error(f"unknown parts {unknown}; known: {list(PARTS)}")
-    context = BuildContext(target=args.target, output=args.output.resolve(), args=args)
+    from triton_pipelines.onnx_runner import PROVIDERS
+
+    unknown = set(args.embedded_execution_providers.split(",")) - set(PROVIDERS)
+    if unknown:
+        parser.error(f"unknown execution providers {sorted(unknown)}; choose among {list(PROVIDERS)}")
+    try:
+        root = find_project_root(args.project_root)
+    except FileNotFoundError as error:
+        parser.error(str(error))
+    output = (args.output or root / "model_repository").resolve()
+    context = BuildContext(target=args.target, output=output, args=args, root=root)
     return context, [PARTS[name] for name in names]
 
 

@@ -44,8 +44,9 @@ class QueuePolicy:
         policy.max_queue_size = self.max_queue_size
 
 
-# Realtime: a short queue (about a second of work on the embedded target's 2 cores).
-REALTIME_QUEUE = QueuePolicy(max_queue_size=128, timeout_ms=2000)
+# Realtime: a short queue (about a second or two of work on the embedded target's 2 cores); the
+# time-out covers a full batch executing ahead of a request on those cores.
+REALTIME_QUEUE = QueuePolicy(max_queue_size=128, timeout_ms=5000)
 # Throughput class: callers accept waiting for big batches, not forever.
 BATCH_QUEUE = QueuePolicy(max_queue_size=512, timeout_ms=20000)
 
@@ -118,7 +119,9 @@ class ComputeModel:
             digest.update(b"\0")
         return digest.hexdigest()
 
-    def config(self, target: str) -> mc.ModelConfig:
+    def config(self, target: str, execution_providers: str = "cpu") -> mc.ModelConfig:
+        """``execution_providers``: embedded target only, the ONNX Runtime providers of the runner
+        in preference order ("cpu", or e.g. "tensorrt,cuda,cpu" with onnxruntime-gpu)."""
         if target not in TARGETS:
             raise ValueError(f"unknown target {target!r}; choose one of {TARGETS}")
         config = mc.ModelConfig(name=self.name, max_batch_size=self.max_batch_size)
@@ -139,6 +142,8 @@ class ComputeModel:
             config.instance_group.add(kind=mc.ModelInstanceGroup.KIND_CPU, count=1)
             config.parameters["onnx_file"].string_value = "model.onnx"
             config.parameters["intra_op_threads"].string_value = str(self.embedded_cpu_threads)
+            if execution_providers != "cpu":
+                config.parameters["execution_providers"].string_value = execution_providers
             if self.embedded_cached_inputs:
                 unknown = set(self.embedded_cached_inputs) - {t.name for t in self.inputs}
                 if unknown:
@@ -165,10 +170,11 @@ class ComputeModel:
             accelerator = config.optimization.execution_accelerators.gpu_execution_accelerator.add(name="tensorrt")
             for key, value in TRT_ACCELERATOR_PARAMETERS:
                 accelerator.parameters[key] = value
-            # ORT-TRT builds an engine for the batch sizes it has seen and rebuilds when a larger one
-            # arrives; warming up with 1 and max_batch_size builds the [1, max] profile at load time.
-            if all(d > 0 for t in self.inputs for d in t.dims):
-                self._add_warmup(config, (self.max_batch_size,))
+            # An explicit optimization profile (the 24.10 onnxruntime backend's trt_profile_*_shapes):
+            # ORT-TRT builds the engine for batch 1 .. max_batch_size once, at load, instead of for
+            # the batch sizes it has seen so far (rebuilding under traffic when a larger one comes).
+            for kind, shapes in self.profile_shapes().items():
+                accelerator.parameters[f"trt_profile_{kind}_shapes"] = shapes
 
     def _add_warmup(self, config: mc.ModelConfig, batch_sizes: tuple[int, ...]) -> None:
         """``model_warmup``: Triton runs these zero-filled requests on every instance while loading
@@ -183,16 +189,20 @@ class ComputeModel:
                 data.dims.extend(d if d > 0 else 1 for d in tensor.dims)
                 data.zero_data = True
 
-    def trtexec_args(self) -> list[str]:
-        """trtexec flags turning ``model.onnx`` into an FP16 ``model.plan`` whose optimization profile
-        covers batch 1 .. max_batch_size (``docker/build_trt_engines.sh`` runs them)."""
-        opt = self.trt_opt_batch_size or self.max_batch_size
-        shapes = {"min": 1, "opt": min(opt, self.max_batch_size), "max": self.max_batch_size}
+    def profile_shapes(self) -> dict[str, str]:
+        """TensorRT optimization profile covering batch 1 .. max_batch_size (optimized for
+        ``trt_opt_batch_size``), as ``{"min"|"opt"|"max": "name:BxD1xD2,..."}``: the format of both
+        trtexec's ``--minShapes`` and the onnxruntime backend's ``trt_profile_min_shapes``."""
         for tensor in self.inputs:
             if any(d <= 0 for d in tensor.dims):
-                raise ValueError(f"{self.name}: tensorrt_plan needs static non-batch dims, "
+                raise ValueError(f"{self.name}: a TensorRT profile needs static non-batch dims, "
                                  f"{tensor.name} has {list(tensor.dims)}")
-        return ["--fp16"] + [
-            f"--{kind}Shapes=" + ",".join(
-                f"{t.name}:{'x'.join(str(d) for d in (batch, *t.dims))}" for t in self.inputs)
-            for kind, batch in shapes.items()]
+        opt = self.trt_opt_batch_size or self.max_batch_size
+        batches = {"min": 1, "opt": min(opt, self.max_batch_size), "max": self.max_batch_size}
+        return {kind: ",".join(f"{t.name}:{'x'.join(str(d) for d in (batch, *t.dims))}" for t in self.inputs)
+                for kind, batch in batches.items()}
+
+    def trtexec_args(self) -> list[str]:
+        """trtexec flags turning ``model.onnx`` into an FP16 ``model.plan`` with that profile
+        (``docker/build_trt_engines.sh`` runs them)."""
+        return ["--fp16"] + [f"--{kind}Shapes={shapes}" for kind, shapes in self.profile_shapes().items()]

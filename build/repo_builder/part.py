@@ -7,6 +7,7 @@ Each pipeline (text, vision, speech, routing) is one ``Part`` in its own module,
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,8 +15,30 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from .compute import ComputeModel, LatencyVariant
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
-CACHE_DIR = PROJECT_ROOT / ".cache" / "repo_builder"
+ROOT_ENV = "TRITON_PIPELINES_ROOT"
+# What makes a folder the project: the sources the builder assembles the repository from.
+PROJECT_MARKERS = ("python_models", "ensembles", "data")
+
+
+def is_project_root(path: Path) -> bool:
+    return all((path / marker).is_dir() for marker in PROJECT_MARKERS)
+
+
+def find_project_root(explicit: Path | None = None, environ=os.environ, cwd: Path | None = None) -> Path:
+    """``--project-root``, else ``$TRITON_PIPELINES_ROOT``, else the working directory or the nearest
+    parent of it that holds python_models/, ensembles/ and data/. Never the builder's install location
+    (a non-editable install, as in the builder image, lives in site-packages)."""
+    given = explicit or (Path(environ[ROOT_ENV]) if environ.get(ROOT_ENV) else None)
+    if given is not None:
+        if not is_project_root(given):
+            raise FileNotFoundError(f"{given} is not the project: it lacks {', '.join(PROJECT_MARKERS)}")
+        return given.resolve()
+    here = (cwd or Path.cwd()).resolve()
+    for candidate in (here, *here.parents):
+        if is_project_root(candidate):
+            return candidate
+    raise FileNotFoundError(f"no project found at or above {here} (a folder with {', '.join(PROJECT_MARKERS)}): "
+                            f"run from the project, or pass --project-root / set {ROOT_ENV}")
 
 
 @dataclass
@@ -23,6 +46,7 @@ class BuildContext:
     target: str
     output: Path
     args: argparse.Namespace
+    root: Path  # the project: python_models/, ensembles/, data/
 
     def compute_dir(self, name: str) -> Path:
         return self.output / name / "1"

@@ -42,7 +42,6 @@ from pathlib import Path
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from .part import CACHE_DIR, PROJECT_ROOT
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -243,8 +242,9 @@ class Repository:
                        for name in [base, *facts.get("latency_variants", [])]}
         self.sequence_overrides = sequence_overrides or {}
         self._graphs: dict[Path, object] = {}
-        # Shape inference of a large graph takes seconds: results are kept per file and shape.
-        self._cache_file = CACHE_DIR / "plan-graphs.json"
+        # Shape inference of a large graph takes seconds: results are kept per file and shape, next
+        # to the build stamp (files at the repository's top level are not models to Triton).
+        self._cache_file = self.path / ".plan-graphs.json"
         try:
             self._cache = json.loads(self._cache_file.read_text())
         except (FileNotFoundError, ValueError):
@@ -517,7 +517,7 @@ def parse_sequence(values: list[str]) -> dict[str, dict[str, int]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m repo_builder plan", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repository", type=Path, default=PROJECT_ROOT / "model_repository")
+    parser.add_argument("--repository", type=Path, default=Path("model_repository"))
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--gpu-memory", type=parse_bytes, help="memory of one GPU, e.g. 40GiB")
     size.add_argument("--gpu", choices=sorted(GPUS), help="a GPU by name")

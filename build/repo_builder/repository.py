@@ -22,12 +22,13 @@ from pathlib import Path
 
 from .compute import ComputeModel
 from .files import is_fresh, mark_fresh, read_config, replace_dir, write_config
-from .part import PROJECT_ROOT, BuildContext, Part
+from .part import BuildContext, Part
 from .variants import EnsembleVariants, build_extra_versions, build_latency_variants, build_python_latency_variants
 
-PYTHON_MODELS = PROJECT_ROOT / "python_models"
-ENSEMBLES = PROJECT_ROOT / "ensembles"
-ONNX_RUNNER = PYTHON_MODELS / "onnx_runtime_runner" / "model.py"
+
+
+def onnx_runner(context: BuildContext) -> Path:
+    return context.root / "python_models" / "onnx_runtime_runner" / "model.py"
 
 
 def log(message: str) -> None:
@@ -48,10 +49,10 @@ def build_compute_model(model: ComputeModel, context: BuildContext) -> list[str]
         log(f"{model.name}: exported ONNX in {time.monotonic() - started:.1f} s")
     else:
         log(f"{model.name}: up to date")
-    write_config(model_dir / "config.pbtxt", model.config(context.target))
+    write_config(model_dir / "config.pbtxt", model.config(context.target, context.args.embedded_execution_providers))
     runner = onnx_dir / "model.py"
     if context.target == "embedded":
-        shutil.copy2(ONNX_RUNNER, runner)
+        shutil.copy2(onnx_runner(context), runner)
     elif runner.exists():
         runner.unlink()
     # gpu + tensorrt_plan: the trtexec flags for docker/build_trt_engines.sh, which writes model.plan.
@@ -60,8 +61,8 @@ def build_compute_model(model: ComputeModel, context: BuildContext) -> list[str]
         trtexec_args.write_text("\n".join(model.trtexec_args()) + "\n")
     elif trtexec_args.exists():
         trtexec_args.unlink()
-    build_extra_versions(model, context, ONNX_RUNNER, log)
-    return [model.name] + build_latency_variants(model, context, ONNX_RUNNER)
+    build_extra_versions(model, context, onnx_runner(context), log)
+    return [model.name] + build_latency_variants(model, context, onnx_runner(context))
 
 
 def compile_model_files(output: Path) -> None:
@@ -90,7 +91,7 @@ def _export(model: ComputeModel, model_dir: Path) -> None:
 
 
 def build_python_model(name: str, part: Part, context: BuildContext) -> None:
-    source = PYTHON_MODELS / name
+    source = context.root / "python_models" / name
     model_dir = context.output / name
     version_dir = model_dir / "1"
     version_dir.mkdir(parents=True, exist_ok=True)
@@ -103,7 +104,7 @@ def build_python_model(name: str, part: Part, context: BuildContext) -> None:
 
 def build_ensemble(name: str, part: Part, context: BuildContext) -> None:
     model_dir = context.output / name
-    config = read_config(ENSEMBLES / name / "config.pbtxt")
+    config = read_config(context.root / "ensembles" / name / "config.pbtxt")
     part.patch_config(config, context)
     write_config(model_dir / "config.pbtxt", config)
     (model_dir / "1").mkdir(exist_ok=True)  # Triton needs a version folder, even an empty one

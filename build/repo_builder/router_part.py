@@ -11,12 +11,12 @@ from pathlib import Path
 import yaml
 
 from .compute import ComputeModel
-from .part import PROJECT_ROOT, BuildContext, Part
+from .part import BuildContext, Part
 
-ROUTES_FILE = PROJECT_ROOT / "data" / "routes.yaml"
+ROUTES_FILE = Path("data") / "routes.yaml"  # in the project
 
 
-def canary_versions(routes_file: Path = ROUTES_FILE) -> dict[str, tuple[tuple[int, str], ...]]:
+def canary_versions(routes_file: Path) -> dict[str, tuple[tuple[int, str], ...]]:
     document = yaml.safe_load(routes_file.read_text(encoding="utf-8"))
     return {str(model): tuple(sorted((int(n), str(build)) for n, build in (spec.get("versions") or {}).items()))
             for model, spec in (document.get("canaries") or {}).items()}
@@ -26,20 +26,21 @@ class RouterPart(Part):
     python_models = ("router",)
 
     def adjust_compute_model(self, model: ComputeModel, context: BuildContext) -> ComputeModel:
-        versions = canary_versions().get(model.name)
+        versions = canary_versions(context.root / ROUTES_FILE).get(model.name)
         return dataclasses.replace(model, extra_versions=versions) if versions else model
 
     def write_assets(self, model_name: str, version_dir: Path, context: BuildContext) -> None:
         if model_name == "router":
             from triton_pipelines.routing import RouteTable
 
-            RouteTable.load(ROUTES_FILE)  # fail the build, not the server, on a bad route file
-            shutil.copy2(ROUTES_FILE, version_dir / "routes.yaml")
+            routes = context.root / ROUTES_FILE
+            RouteTable.load(routes)  # fail the build, not the server, on a bad route file
+            shutil.copy2(routes, version_dir / "routes.yaml")
 
     def model_table(self, context: BuildContext) -> list[dict]:
         rows = [{"model": "router", "architecture": "Python BLS router (task dispatch, latency classes, "
                  "canary split, OpenAI-compatible gateway)", "weights": "none (route file data/routes.yaml)"}]
-        for model, versions in canary_versions().items():
+        for model, versions in canary_versions(context.root / ROUTES_FILE).items():
             rows.append({"model": f"{model} version {', '.join(str(n) for n, _ in versions)}",
                          "architecture": f"canary of {model}: {', '.join(b for _, b in versions)} of version 1",
                          "weights": f"derived from {model} version 1 at build time"})

@@ -12,10 +12,10 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from .compute import ComputeModel, TensorSpec
 from .files import hash_files, is_fresh, mark_fresh, read_config
-from .part import PROJECT_ROOT, BuildContext, Part
+from .part import BuildContext, Part
 
-INTENTS_FILE = PROJECT_ROOT / "data" / "intents.yaml"
-TOKENIZER_CONFIG = PROJECT_ROOT / "python_models" / "text_tokenizer" / "config.pbtxt"
+INTENTS_FILE = Path("data") / "intents.yaml"  # in the project
+TOKENIZER_CONFIG = Path("python_models") / "text_tokenizer" / "config.pbtxt"  # in the project
 MAX_BATCH_SIZE = 64
 # Tensors whose last dimension is the encoder's hidden size, written as 384 in the sources.
 EMBEDDING_TENSORS = {"last_hidden_state", "embedding"}
@@ -62,14 +62,14 @@ def export_bert(checkpoint: Path | None, onnx_path: Path, random_seed: int = 0) 
         )
 
 
-def tokenizer_max_length() -> int:
+def tokenizer_max_length(project_root: Path) -> int:
     """The tokenizer's truncation length (its config's ``max_sequence_length``): the longest
     sequence an encoder is sent."""
-    return int(read_config(TOKENIZER_CONFIG).parameters["max_sequence_length"].string_value)
+    return int(read_config(project_root / TOKENIZER_CONFIG).parameters["max_sequence_length"].string_value)
 
 
 def encoder_model(name: str, checkpoint: Path | None, hidden_size: int, source_key: str,
-                  random_weights: bool = False) -> ComputeModel:
+                  max_sequence_length: int, random_weights: bool = False) -> ComputeModel:
     return ComputeModel(
         name=name,
         inputs=(TensorSpec("input_ids", "TYPE_INT64", (-1,)), TensorSpec("attention_mask", "TYPE_INT64", (-1,))),
@@ -77,7 +77,7 @@ def encoder_model(name: str, checkpoint: Path | None, hidden_size: int, source_k
         max_batch_size=MAX_BATCH_SIZE,
         export_onnx=lambda path: export_bert(None if random_weights else checkpoint, path),
         source_key=source_key,
-        max_sequence_length=tokenizer_max_length(),
+        max_sequence_length=max_sequence_length,
     )
 
 
@@ -103,12 +103,13 @@ class TextPart(Part):
 
     def compute_models(self, context: BuildContext) -> list[ComputeModel]:
         encoder_dir = self._encoder_dir(context)
+        max_length = tokenizer_max_length(context.root)
         models = [encoder_model("text_encoder", encoder_dir, self.hidden_size(context),
-                                source_key=hash_files(encoder_dir))]
+                                source_key=hash_files(encoder_dir), max_sequence_length=max_length)]
         if context.args.with_bert_base:
             checkpoint = context.args.bert_base_checkpoint
             models.append(encoder_model(
-                "bert_base_encoder", checkpoint, 768, random_weights=checkpoint is None,
+                "bert_base_encoder", checkpoint, 768, max_sequence_length=max_length, random_weights=checkpoint is None,
                 source_key=hash_files(checkpoint) if checkpoint else "bert-base-uncased random seed 0"))
         return models
 
@@ -124,9 +125,10 @@ class TextPart(Part):
             shutil.copy2(tokenizer_json, version_dir / "tokenizer.json")
         elif model_name == "intent_classifier":
             encoder_onnx = context.compute_dir("text_encoder") / "model.onnx"
-            key = hash_files(INTENTS_FILE, tokenizer_json, encoder_onnx)
+            intents = context.root / INTENTS_FILE
+            key = hash_files(intents, tokenizer_json, encoder_onnx)
             if not is_fresh(version_dir, key):
-                intent_prototypes(encoder_onnx, tokenizer_json).save(version_dir / "intent_prototypes.npz")
+                intent_prototypes(intents, encoder_onnx, tokenizer_json).save(version_dir / "intent_prototypes.npz")
                 mark_fresh(version_dir, key)
 
     def model_table(self, context: BuildContext) -> list[dict]:
@@ -142,13 +144,13 @@ class TextPart(Part):
         return rows
 
 
-def intent_prototypes(encoder_onnx: Path, tokenizer_json: Path):
+def intent_prototypes(intents_file: Path, encoder_onnx: Path, tokenizer_json: Path):
     """Embed each intent's example phrases with the served encoder: the same tokenizer, ONNX graph
     and pooling as the pipeline, so prototypes and requests live in one embedding space."""
     from triton_pipelines.onnx_runner import OnnxBatchRunner
     from triton_pipelines.text import IntentPrototypes, TextTokenizer, load_intent_examples, mean_pool_normalize
 
-    examples, temperature = load_intent_examples(INTENTS_FILE)
+    examples, temperature = load_intent_examples(intents_file)
     tokenizer = TextTokenizer(tokenizer_json)
     runner = OnnxBatchRunner(encoder_onnx, output_names=["last_hidden_state"])
     embeddings = []

@@ -113,7 +113,8 @@ def build_latency_variants(model: ComputeModel, context: BuildContext, runner: P
                 (target_dir / file.name).symlink_to(Path("..") / ".." / model.name / str(number) / file.name)
             if context.target == "embedded":
                 shutil.copy2(runner, target_dir / "model.py")
-        write_config(variant_dir / "config.pbtxt", variant.config(context.target))
+        write_config(variant_dir / "config.pbtxt",
+                     variant.config(context.target, context.args.embedded_execution_providers))
         names.append(variant.name)
     return names
 

@@ -14,7 +14,7 @@ import triton_python_backend_utils as pb_utils
 
 from triton_pipelines.backend import error_response, model_parameters
 from triton_pipelines.errors import InputError
-from triton_pipelines.onnx_runner import InputCache, OnnxBatchRunner, parse_rows
+from triton_pipelines.onnx_runner import InputCache, OnnxBatchRunner, engine_cache_dir, parse_rows
 
 
 class TritonPythonModel:
@@ -30,6 +30,8 @@ class TritonPythonModel:
             intra_op_threads=int(parameters.get("intra_op_threads", "0")),
             output_names=self.output_names,
             pad_ragged=any(i.get("allow_ragged_batch", False) for i in config["input"]),
+            execution_providers=parameters.get("execution_providers", "cpu").split(","),
+            engine_cache_dir=engine_cache_dir(self.model_name),
         )
         cached = [name for name in parameters.get("cached_inputs", "").split(",") if name]
         self.cache = InputCache(cached, int(parameters.get("input_cache_entries", "8"))) if cached else None

@@ -31,10 +31,13 @@ class TritonPythonModel:
         self.service = RouterService(Router(table, SplitFile(split_path, table.canaries)), self.gateway,
                                      self.call_triton, RouterMetrics(), pb_utils.Logger.log_error)
         self.tasks = set()
+        self.refresher = None
         pb_utils.Logger.log_info(f"router: {len(table.tasks)} tasks; split file {split_path}; external gateway "
                                  + ("configured" if self.gateway.configured else "not configured"))
 
     async def execute(self, requests):
+        if self.refresher is None:  # the stub's event loop exists from the first execute on
+            self.refresher = asyncio.get_running_loop().create_task(self.service.refresh_circuits())
         for request in requests:
             task = asyncio.get_running_loop().create_task(self.answer(request))
             self.tasks.add(task)  # a strong reference until it is done
@@ -61,5 +64,5 @@ class TritonPythonModel:
         return bls_outputs(response, target, outputs)
 
     def finalize(self):
-        for task in list(self.tasks):
+        for task in list(self.tasks) + ([self.refresher] if self.refresher else []):
             task.cancel()

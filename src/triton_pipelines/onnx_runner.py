@@ -17,15 +17,55 @@ import numpy as np
 from .errors import InputError
 
 
+# The runner's ``execution_providers`` names → ONNX Runtime providers (with their options). cuda and
+# tensorrt need onnxruntime-gpu (requirements-gpu.txt) instead of the CPU build.
+PROVIDERS = {
+    "cpu": ("CPUExecutionProvider", {}),
+    "cuda": ("CUDAExecutionProvider", {}),
+    "tensorrt": ("TensorrtExecutionProvider", {"trt_fp16_enable": True, "trt_engine_cache_enable": True}),
+}
+
+
+def engine_cache_dir(model_name: str) -> Path:
+    """Where the TensorRT provider keeps its engines: $TRITON_ENGINE_CACHE/<model>, by default
+    under ~/.cache (the model repository may be read-only)."""
+    import os
+
+    root = Path(os.environ.get("TRITON_ENGINE_CACHE") or Path.home() / ".cache" / "triton-pipelines" / "ort-trt")
+    return root / model_name
+
+
+def providers_for(names: Sequence[str], available: Sequence[str], cache_dir: Path | None = None) -> list:
+    """ONNX Runtime providers for ``names`` (in preference order), or ValueError naming what is
+    missing: a GPU provider that this onnxruntime lacks is an error, not a silent CPU fallback."""
+    unknown = [n for n in names if n not in PROVIDERS]
+    if unknown or not names:
+        raise ValueError(f"execution providers {list(names)}: choose among {list(PROVIDERS)}")
+    chosen = []
+    for name in names:
+        provider, options = PROVIDERS[name]
+        if provider not in available:
+            raise ValueError(f"execution provider {name!r} ({provider}) is not in this onnxruntime "
+                             f"(it has {list(available)}): install onnxruntime-gpu (requirements-gpu.txt)")
+        if name == "tensorrt" and cache_dir is not None:
+            options = dict(options, trt_engine_cache_path=str(cache_dir))
+        chosen.append((provider, options))
+    return chosen
+
+
 class OnnxBatchRunner:
     def __init__(self, model_path: Path | str, intra_op_threads: int = 0,
-                 output_names: Sequence[str] | None = None, pad_ragged: bool = False):
+                 output_names: Sequence[str] | None = None, pad_ragged: bool = False,
+                 execution_providers: Sequence[str] = ("cpu",), engine_cache_dir: Path | None = None):
         import onnxruntime as ort
 
+        if any(name != "cpu" for name in execution_providers) and hasattr(ort, "preload_dlls"):
+            ort.preload_dlls()  # the CUDA/cuDNN libraries of the nvidia-* wheels
         options = ort.SessionOptions()
         options.intra_op_num_threads = intra_op_threads
         options.inter_op_num_threads = 1
-        self.session = ort.InferenceSession(str(model_path), options, providers=["CPUExecutionProvider"])
+        providers = providers_for(execution_providers, ort.get_available_providers(), engine_cache_dir)
+        self.session = ort.InferenceSession(str(model_path), options, providers=providers)
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.output_names = list(output_names or [o.name for o in self.session.get_outputs()])
         # Ragged batching (config: allow_ragged_batch on the inputs): requests of different

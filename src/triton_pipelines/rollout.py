@@ -617,6 +617,12 @@ def connect(state_dir: Path | None) -> tuple[ControlClient, str]:
     control = ControlClient.from_state(state_dir)
     directory = Path(state_dir or os.environ.get(STATE_ENV) or Path(".triton") / "8000")
     server = json.loads((directory / "server.json").read_text())
+    if len(server.get("replicas", [])) > 1:
+        # Each replica is its own tritonserver with its own loaded versions: a rollout moving one of
+        # them would leave nginx's round robin serving a mix.
+        raise RolloutError(f"the launcher runs {len(server['replicas'])} replicas; a rollout moves one server's "
+                           "versions: run it with --replicas 1 (several machines: one rollout per machine, "
+                           "out of the load balancer while it runs)")
     return control, f"http://{server['triton_metrics']}/metrics"
 
 

@@ -55,6 +55,8 @@ class Recorder(Protocol):
 
     def circuit(self, model: str, open_: bool) -> None: ...
 
+    def start_at_zero(self, tasks: Mapping[str, str], gateway_models: list[str]) -> None: ...
+
 
 # BLS call: (target model, inputs, requested outputs) → outputs; raises RouteError.
 TritonCall = Callable[[str, Mapping[str, np.ndarray], Sequence[str]], Awaitable[dict[str, np.ndarray]]]
@@ -70,6 +72,16 @@ class RouterService:
         self.log_error = log_error
         self.in_flight = {"triton": 0, "gateway": 0}
         self.limits = {"triton": router.table.max_in_flight_triton, "gateway": router.table.gateway.max_in_flight}
+        self.recorder.start_at_zero({task: route.route for task, route in router.table.tasks.items()},
+                                    sorted(router.table.prices))
+
+    async def refresh_circuits(self, every_s: float = 1.0) -> None:
+        """Keep ``router_gateway_circuit_open`` true to the breakers between requests (an open
+        circuit turns half-open by time alone)."""
+        while True:
+            for model, breaker in list(self.gateway.breakers.items()):
+                self.recorder.circuit(model, breaker.state == "open")
+            await asyncio.sleep(every_s)
 
     # ------------------------------------------------------------------------- one request
     async def handle(self, tasks: np.ndarray | None, payloads: np.ndarray | None, classes: np.ndarray | None,

@@ -69,3 +69,20 @@ class RouterMetrics(MetricSet):
 
     def circuit(self, model: str, open_: bool) -> None:
         self("circuit", model=model).set(1 if open_ else 0)
+
+    def start_at_zero(self, tasks: Mapping[str, str], gateway_models: list[str]) -> None:
+        """Create the known series at 0 (``tasks``: task → route): a counter first seen at 1 hides
+        that first event from rate() and increase()."""
+        for task, route in tasks.items():
+            for outcome in ("success", "error"):
+                self("requests", task=task, route=route, outcome=outcome)
+            reasons = ("invalid_input", "timeout", "overloaded", "internal") + (
+                ("upstream_invalid_input", "upstream_unavailable", "upstream_error", "not_loaded") if route == "triton"
+                else ("not_configured", "circuit_open", "unreachable", "upstream_status", "rejected", "bad_response"))
+            for reason in reasons:
+                self("failures", task=task, route=route, reason=reason)
+        for model in gateway_models:
+            self("circuit", model=model).set(0)
+            for direction in ("input", "output"):
+                self("tokens", model=model, direction=direction)
+            self("cost", model=model)

