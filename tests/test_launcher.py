@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -156,6 +158,63 @@ def test_generated_nginx_config_is_valid_and_listens_where_asked(tmp_path):
         check = subprocess.run([nginx_binary(), "-t", "-q", "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf")],
                                capture_output=True, text=True)
         assert check.returncode == 0, check.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="nginx switches its workers to another user only when started as root")
+def test_large_bodies_pass_when_the_state_folder_is_private(tmp_path):
+    """Started as root, nginx's workers run as nobody: bodies over their 1 MiB buffer go to temp
+    files, which must be reachable even when the state folder sits under a private one (/root,
+    pytest's 0700 temp folders). A 5 MB body reaches the upstream."""
+    import http.server
+    import urllib.request
+
+    from triton_pipelines.launcher import free_ports
+    from triton_pipelines.proxy import ProxyConfig, ProxyProcess
+
+    class Upstream(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            length = len(self.rfile.read(int(self.headers["Content-Length"])))
+            body = json.dumps({"received": length}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    upstream = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Upstream)
+    threading.Thread(target=upstream.serve_forever, daemon=True).start()
+    http_port, grpc_port, metrics_port = free_ports(3)
+    proxy = ProxyProcess(ProxyConfig(listen_address="127.0.0.1", http_port=http_port, grpc_port=grpc_port,
+                                     metrics_port=metrics_port, triton_http_ports=(upstream.server_port,),
+                                     triton_grpc_ports=(upstream.server_port,), status_port=upstream.server_port,
+                                     state_dir=private / "state" / "proxy", run_as="nobody nogroup"))
+    try:
+        temp = proxy.temp_dir
+        assert not str(temp).startswith(str(private)) and (temp / "client_body").owner() == "nobody"
+        body = b"0" * 5_000_000
+        request = urllib.request.Request(f"http://127.0.0.1:{http_port}/v2/models/m/infer", data=body,
+                                         headers={"Inference-Header-Content-Length": "2"})
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                with urllib.request.urlopen(request, timeout=10) as response:
+                    assert json.loads(response.read()) == {"received": len(body)}
+                break
+            except ConnectionRefusedError:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+            except urllib.error.URLError as error:
+                if not isinstance(error.reason, ConnectionRefusedError) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+    finally:
+        proxy.stop()
+        upstream.shutdown()
+    assert not temp.exists()
 
 
 def test_control_key_comes_from_the_environment_or_is_generated(monkeypatch):

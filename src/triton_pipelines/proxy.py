@@ -29,6 +29,7 @@ import re
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,9 +113,11 @@ def _grpc_error_location(name: str, code: int, message: str) -> str:
             f"            add_header grpc-message \"{message}\" always;\n            return 200 \"\";\n        }}\n")
 
 
-def render_config(config: ProxyConfig) -> str:
-    """nginx.conf for the public ports (see the module docstring)."""
+def render_config(config: ProxyConfig, temp_dir: Path | None = None) -> str:
+    """nginx.conf for the public ports (see the module docstring); the workers' temp folders (large
+    request bodies) under ``temp_dir``, by default the state folder."""
     state = config.state_dir.resolve()
+    temp = (temp_dir or config.state_dir).resolve()
     address = config.listen_address
     if ":" in address and not address.startswith("["):
         address = f"[{address}]"
@@ -155,11 +158,11 @@ events {{
 http {{
     access_log off;
     server_tokens off;
-    client_body_temp_path {state}/client_body;
-    proxy_temp_path {state}/proxy;
-    fastcgi_temp_path {state}/fastcgi;
-    uwsgi_temp_path {state}/uwsgi;
-    scgi_temp_path {state}/scgi;
+    client_body_temp_path {temp}/client_body;
+    proxy_temp_path {temp}/proxy;
+    fastcgi_temp_path {temp}/fastcgi;
+    uwsgi_temp_path {temp}/uwsgi;
+    scgi_temp_path {temp}/scgi;
 
     # Slow or idle clients are cut off instead of holding connections.
     client_header_timeout 15s;
@@ -306,6 +309,29 @@ http {{
     return lines
 
 
+TEMP_FOLDERS = ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
+
+
+def worker_temp_dir(state: Path, run_as: str | None) -> Path:
+    """Where nginx's workers write request bodies larger than their buffer. Started as root, the
+    workers run as ``run_as`` and must reach the folder: the state folder may sit under a private
+    one (/root, a 0700 temp folder), so they get a folder of their own under the system's temp
+    folder (world-traversable), owned by them."""
+    if not run_as:
+        for name in TEMP_FOLDERS:
+            (state / name).mkdir(exist_ok=True)
+        return state
+    import pwd
+
+    user = pwd.getpwnam(run_as.split()[0])
+    temp = Path(tempfile.mkdtemp(prefix="triton-proxy-"))
+    os.chmod(temp, 0o711)  # traverse, not list
+    for name in TEMP_FOLDERS:
+        (temp / name).mkdir(mode=0o700)
+        os.chown(temp / name, user.pw_uid, user.pw_gid)
+    return temp
+
+
 class ProxyProcess:
     """nginx in the foreground with a generated configuration under ``config.state_dir``."""
 
@@ -313,19 +339,9 @@ class ProxyProcess:
         self.config = config
         state = config.state_dir
         state.mkdir(parents=True, exist_ok=True)
-        for name in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"):
-            (state / name).mkdir(exist_ok=True)
-        if config.run_as:  # workers run unprivileged and must write their temp folders
-            import pwd
-
-            user = pwd.getpwnam(config.run_as.split()[0])
-            for name in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"):
-                os.chown(state / name, user.pw_uid, user.pw_gid)
-            # They must reach them: traverse (not list) this folder and its parent.
-            for folder in (state, state.parent):
-                os.chmod(folder, os.stat(folder).st_mode & 0o777 | 0o111)
+        self.temp_dir = worker_temp_dir(state, config.run_as)
         self.config_path = state / "nginx.conf"
-        self.config_path.write_text(render_config(config))
+        self.config_path.write_text(render_config(config, self.temp_dir))
         self.binary = nginx_binary()
         check = subprocess.run([self.binary, *self._error_log(), "-t", "-q", "-p", str(state),
                                 "-c", str(self.config_path)], capture_output=True, text=True)
@@ -345,14 +361,14 @@ class ProxyProcess:
                      stdout=self.stdout, stderr=self.stderr, start_new_session=True)
 
     def restart(self) -> None:
-        self.stop()
+        self._stop_process()
         self.process = self._start()
 
     def reconfigure(self, config: ProxyConfig, timeout_s: float = 60) -> None:
         """New upstreams (replicas in service) without dropping a request: nginx's graceful reload
         starts workers on the new configuration while the old ones finish what they are serving.
         Returns when the old workers are gone: no request is on its way to a removed upstream."""
-        text = render_config(config)
+        text = render_config(config, self.temp_dir)
         if text == self.config_path.read_text():
             return
         old_workers = set(child_pids(self.process.pid))
@@ -373,6 +389,11 @@ class ProxyProcess:
         return self.process.poll() is None
 
     def stop(self, timeout_s: float = 10) -> None:
+        self._stop_process(timeout_s)
+        if self.temp_dir != self.config.state_dir:
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+    def _stop_process(self, timeout_s: float = 10) -> None:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGQUIT)  # graceful: finish requests in flight
             try:
