@@ -143,6 +143,18 @@ def stub_rss_mb(server, models) -> dict[str, float]:
     return totals
 
 
+def gpu_memory_mb(server) -> float | None:
+    """``nv_gpu_memory_used_bytes`` summed over the GPUs (Triton exports it only where it sees one)."""
+    import urllib.request
+
+    try:
+        text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
+    except OSError:
+        return None
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("nv_gpu_memory_used_bytes")]
+    return sum(values) / 1e6 if values else None
+
+
 def server_rss_mb(server) -> float:
     import psutil
 
@@ -265,7 +277,8 @@ def speech_section(server, s: bench_settings.Settings) -> PipelineResult:
     peak = max((p for p in result.points if p.system == "Triton"), key=lambda p: p.throughput)
     for _ in range(s.pairs):
         local = in_process(repository, wav, result.limit_batch, seconds=seconds)["audio_per_s"] / CLIP_SECONDS
-        served = measure(triton, peak.concurrency, seconds=s.speech_seconds, min_requests=2 * peak.concurrency).throughput
+        served = measure(triton, peak.concurrency, seconds=s.speech_seconds,
+                         min_requests=min(2 * peak.concurrency, s.min_requests // 2)).throughput
         result.saturation_pairs.append((local, served))
     return result
 
@@ -305,8 +318,9 @@ def tutorial_table(server, s: bench_settings.Settings) -> tuple[list[TableRow], 
             systems = {"Triton": targets["Triton"], "FastAPI": with_base(targets["FastAPI"], peer.base_url)}
             for system, target in systems.items():
                 load = measure(target, 1, seconds=1.0, warmup_s=0.0, min_requests=s.table_requests)
-                memory = (sum(stub_rss_mb(server, stub_models).values()) if system == "Triton"
-                          else peer.rss_bytes() / 1e6)
+                gpu = gpu_memory_mb(server) if system == "Triton" else None
+                memory = (gpu if gpu is not None else sum(stub_rss_mb(server, stub_models).values())
+                          if system == "Triton" else peer.rss_bytes() / 1e6)
                 rows.append(TableRow(model, batch, system, load.mean, load.p95, load.p99, load.throughput, memory))
                 print(f"  table {model} {system} {load.throughput:.2f}/s mean {load.mean:.0f} ms", flush=True)
         except Exception as error:
@@ -476,7 +490,7 @@ def run(server) -> str:
         "One request at a time, each carrying the tutorial's batch: BERT-base 16 sequences of 128 tokens "
         "(`bert_base_encoder`, random weights), ResNet-50 32 JPEGs (`image_classification`), Whisper 4 clips "
         "of 10 s (`speech_recognition`, tiny, 32 tokens each). RSS: Triton's Python-backend stubs of the "
-        "model (all instances; the tritonserver process itself, shared by every model: "
+        "model (all instances; on a GPU, `nv_gpu_memory_used_bytes` instead; the tritonserver process itself, shared by every model: "
         f"{server_rss_mb(server):.0f} MB), the peer's whole process. The limit is the same batch in-process, "
         "back to back.",
         "",

@@ -61,8 +61,10 @@ def heatmaps(model: str, points, path: Path) -> Path:
             for i, line in enumerate(values):
                 for j, value in enumerate(line):
                     if not math.isnan(value):
+                        r, g, b, _ = image.cmap(image.norm(value))
+                        ink = "black" if 0.299 * r + 0.587 * g + 0.114 * b > 0.5 else "white"
                         ax.text(j, i, f"{value:.0f}" if value >= 10 else f"{value:.1f}", ha="center", va="center",
-                                fontsize=8, color="white")
+                                fontsize=8, color=ink)
             fig.colorbar(image, ax=ax, fraction=0.046)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

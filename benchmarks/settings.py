@@ -30,8 +30,8 @@ QUICK = Settings("quick", concurrency=(1, 4, 16), speech_concurrency=(1, 4, 16),
                  sweep_instances=(1, 2, 4), sweep_batches=(1, 4, 8, 16), sweep_delays_us=(0,), sweep_seconds=2.5)
 FULL = Settings("full", concurrency=(1, 2, 4, 8, 16, 32), speech_concurrency=(1, 2, 4, 8, 16), seconds=8.0,
                 speech_seconds=20.0, min_requests=40, limit_seconds=6.0, pairs=3, table_requests=12,
-                sweep_instances=(1, 2, 4), sweep_batches=(1, 4, 8, 16), sweep_delays_us=(0, 2000, 10000),
-                sweep_seconds=6.0)
+                sweep_instances=(1, 2, 4), sweep_batches=(1, 4, 8, 16), sweep_delays_us=(0, 5000),
+                sweep_seconds=5.0)
 
 
 def current() -> Settings:

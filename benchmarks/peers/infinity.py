@@ -57,7 +57,7 @@ def start_infinity(repository: Path, batch_size: int = 64) -> PeerProcess:
     command = [str(VENV / "bin" / "infinity_emb"), "v2", "--model-id", ".",
                "--served-model-name", MODEL_NAME, "--engine", "optimum", "--device", "cpu",
                "--pooling-method", "mean", "--batch-size", str(batch_size), "--host", "127.0.0.1",
-               "--port", "{port}", "--no-bettertransformer", "--log-level", "warning"]
+               "--port", "{port}", "--no-bettertransformer", "--no-model-warmup", "--log-level", "warning"]
     env = {"HF_HOME": str(cache), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "INFINITY_ANONYMOUS_USAGE_STATS": "0", "DO_NOT_TRACK": "1"}
     return start_peer("infinity", command, health_path="/health", env=env, cwd=folder)
