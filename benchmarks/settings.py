@@ -25,9 +25,9 @@ class Settings:
     sweep_concurrency: int = 16
 
 
-QUICK = Settings("quick", concurrency=(1, 4, 16), speech_concurrency=(1, 4, 16), seconds=3.0, speech_seconds=6.0,
+QUICK = Settings("quick", concurrency=(1, 4, 16), speech_concurrency=(1, 4, 16), seconds=3.0, speech_seconds=4.0,
                  min_requests=16, limit_seconds=3.0, pairs=1, table_requests=4,
-                 sweep_instances=(1, 2, 4), sweep_batches=(1, 4, 8, 16), sweep_delays_us=(0,), sweep_seconds=2.5)
+                 sweep_instances=(1, 2, 4), sweep_batches=(1, 4, 8, 16), sweep_delays_us=(0,), sweep_seconds=2.0)
 FULL = Settings("full", concurrency=(1, 2, 4, 8, 16, 32), speech_concurrency=(1, 2, 4, 8, 16), seconds=8.0,
                 speech_seconds=20.0, min_requests=40, limit_seconds=6.0, pairs=3, table_requests=12,
                 sweep_instances=(1, 2, 4), sweep_batches=(1, 4, 8, 16), sweep_delays_us=(0, 5000),
