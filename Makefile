@@ -12,8 +12,9 @@ BUILD_FLAGS ?=
 
 install: $(INSTALLED)
 
-# Debian packages: nginx (the public front of the server, see src/triton_pipelines/proxy.py).
-SYSTEM_PACKAGES := nginx-core
+# Debian packages: nginx (the public front of the server, see src/triton_pipelines/proxy.py) and
+# espeak-ng (the speech quality tests and benchmark speak their clips with it).
+SYSTEM_PACKAGES := nginx-core espeak-ng
 
 $(INSTALLED): requirements.txt requirements-serving.txt requirements-builder.txt requirements-embedded.txt requirements-nodeps.txt requirements-ops.txt pyproject.toml
 	@missing=""; for package in $(SYSTEM_PACKAGES); do \
@@ -54,6 +55,11 @@ dashboard: install
 	$(PY) deploy/grafana/build_dashboard.py
 k8s-rules: install
 	$(PY) deploy/k8s/render_prometheusrule.py
+
+# Only the speech section of docs/benchmarks.md (Whisper base vs faster-whisper), on model_repository/.
+.PHONY: bench-speech
+bench-speech: repository $(BENCH_INSTALLED)
+	$(PY) -m benchmarks bench_speech
 
 # perf_analyzer needs Debian's libb64 and libcudart.so.12 (from PyPI) even without a GPU.
 $(BENCH_INSTALLED): $(INSTALLED) requirements-bench.txt

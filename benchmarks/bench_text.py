@@ -11,7 +11,6 @@ from pathlib import Path
 
 import numpy as np
 
-from triton_pipelines.client import TritonClient
 from triton_pipelines.onnx_runner import OnnxBatchRunner
 from triton_pipelines.text import TextTokenizer, mean_pool_normalize
 

@@ -35,7 +35,7 @@ import numpy as np
 
 from triton_pipelines.client import InferenceServerException, TritonClient, text_tensor
 from triton_pipelines.launcher import start_on_free_ports
-from triton_pipelines.processes import SHM_DIR, find_stubs
+from triton_pipelines.processes import SHM_DIR, child_pids, find_stubs
 
 from .perf import markdown_table
 
@@ -165,7 +165,7 @@ class Soak:
         sample["rss"]["tritonserver"] = rss(triton)
         sample["rss"]["launcher (python)"] = rss(os.getpid())
         proxy = self.server.proxy.process.pid
-        sample["rss"]["nginx"] = rss(proxy) + sum(rss(p) for p in children(proxy))
+        sample["rss"]["nginx"] = rss(proxy) + sum(rss(p) for p in child_pids(proxy))
         for stub in find_stubs(triton):
             sample["rss"][f"stub {stub.model}"] += rss(stub.pid)
             sample["shm"][stub.model] += (SHM_DIR / stub.shm_region).stat().st_size \
@@ -215,18 +215,6 @@ def rss(pid: int) -> int:
     except OSError:
         pass
     return 0
-
-
-def children(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                    found.append(int(entry.name))
-            except (OSError, IndexError, ValueError):
-                pass
-    return found
 
 
 def p99_ms(values) -> float:

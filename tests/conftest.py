@@ -10,6 +10,7 @@ is already running (its state folder), e.g. the Python 3.10 rehearsal of the con
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -56,6 +57,23 @@ def http_client(triton_server) -> TritonClient:
     c = TritonClient("http", triton_server.http_url)
     yield c
     c.close()
+
+
+@contextlib.contextmanager
+def gateway_environment(base_url: str, key: str):
+    """LLM_GATEWAY_BASE_URL / LLM_GATEWAY_API_KEY for a server started inside the block (the
+    router reads them at load); the test process's own values are restored after."""
+    names = ("LLM_GATEWAY_BASE_URL", "LLM_GATEWAY_API_KEY")
+    saved = {name: os.environ.get(name) for name in names}
+    os.environ.update(dict(zip(names, (base_url, key))))
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 @pytest.fixture(scope="module")

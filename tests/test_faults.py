@@ -22,7 +22,7 @@ from triton_pipelines.client import InferenceServerException, TritonClient, text
 from triton_pipelines.launcher import start_on_free_ports
 from triton_pipelines.processes import SHM_DIR, find_stubs
 
-from .conftest import LOG_DIR, ensure_repository
+from .conftest import LOG_DIR, ensure_repository, gateway_environment
 from .fake_gateway import Reply
 from .router_helpers import metric, route, scrape
 
@@ -34,16 +34,8 @@ JPEG = (Path(__file__).resolve().parent / "data" / "scene.jpg").read_bytes()
 
 @pytest.fixture(scope="module")
 def server(fake):
-    saved = {k: os.environ.get(k) for k in ("LLM_GATEWAY_BASE_URL", "LLM_GATEWAY_API_KEY")}
-    os.environ.update(LLM_GATEWAY_BASE_URL=fake.base_url, LLM_GATEWAY_API_KEY="sk-faults-" + os.urandom(8).hex())
-    try:
+    with gateway_environment(fake.base_url, "sk-faults-" + os.urandom(8).hex()):
         launched = start_on_free_ports(ensure_repository(), LOG_DIR / "test-faults-server.log", models=MODELS)
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
     yield launched
     launched.stop()
 
@@ -269,5 +261,65 @@ def test_stop_is_prompt_after_a_dead_stub(server):
     started = time.monotonic()
     server.stop()
     assert time.monotonic() - started < 25
+    log = (LOG_DIR / "test-faults-server.log").read_text(errors="replace")
+    # The tritonserver restarted after the crash drained like the first one (it is not the
+    # supervisor thread's child: that thread ends at the stop).
+    assert "drain skipped" not in log and log.count("Signal (15) received") == 1
     assert not find_stubs(server.process.pid)
     assert not list(SHM_DIR.glob(f"{server.shm_prefix}*"))
+
+
+SLOW_MODEL = '''
+import time
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        time.sleep(1.5)
+        return [pb_utils.InferenceResponse([pb_utils.get_input_tensor_by_name(r, "x")]) for r in requests]
+'''
+
+
+def test_requests_whose_grpc_clients_gave_up_are_not_executed(tmp_path):
+    """A gRPC client's deadline (or cancel) passes through nginx to Triton, which drops the request
+    from the queue: work nobody waits for is not done. (HTTP has no cancellation: such a request
+    waits at most its queue time-out.)"""
+    import tritonclient.grpc as grpcclient
+
+    model = tmp_path / "repo" / "slow"
+    (model / "1").mkdir(parents=True)
+    (model / "config.pbtxt").write_text('name: "slow"\nbackend: "python"\nmax_batch_size: 1\n'
+                                        'input [ { name: "x" data_type: TYPE_INT32 dims: [ 1 ] } ]\n'
+                                        'output [ { name: "x" data_type: TYPE_INT32 dims: [ 1 ] } ]\n'
+                                        'dynamic_batching { }\n')
+    (model / "1" / "model.py").write_text(SLOW_MODEL)
+    slow = start_on_free_ports(tmp_path / "repo", LOG_DIR / "test-cancel-server.log", timeout_s=120)
+
+    def send(timeout_s=None):
+        client = grpcclient.InferenceServerClient(slow.grpc_url)
+        tensor = grpcclient.InferInput("x", [1, 1], "INT32")
+        tensor.set_data_from_numpy(np.array([[1]], np.int32))
+        try:
+            client.infer("slow", [tensor], client_timeout=timeout_s)
+            return "answered"
+        except InferenceServerException as error:
+            return error.status()
+        finally:
+            client.close()
+
+    try:
+        with ThreadPoolExecutor(7) as pool:
+            first = pool.submit(send)  # occupies the instance for 1.5 s
+            time.sleep(0.3)
+            gave_up = list(pool.map(lambda _: send(0.4), range(6)))
+            assert first.result() == "answered"
+        assert gave_up == ["StatusCode.DEADLINE_EXCEEDED"] * 6
+        time.sleep(2 * 1.5)
+        stats = slow.control.request("/v2/models/slow/stats")["model_stats"][0]
+        # Of the six that gave up, most never ran: Triton checks for cancellation when it forms a
+        # batch, and a batch or two already taken while the first one executed still ran.
+        assert int(stats["execution_count"]) - 1 <= 2, stats
+        assert int(stats["inference_stats"]["fail"]["count"]) >= 4, stats
+    finally:
+        slow.stop()

@@ -141,9 +141,15 @@ def test_every_compose_command_runs_an_executable_its_image_has(profile):
 # ------------------------------------------------------------------------------------ builder wheel
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("wheel")
+    """The project's wheel, built from a copy of what the Dockerfile copies (setuptools writes its
+    build/lib next to build/repo_builder: not in the working tree)."""
+    source, out = tmp_path_factory.mktemp("source"), tmp_path_factory.mktemp("wheel")
+    shutil.copy2(PROJECT_ROOT / "pyproject.toml", source)
+    shutil.copytree(PROJECT_ROOT / "src", source / "src", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(PROJECT_ROOT / "build" / "repo_builder", source / "build" / "repo_builder",
+                    ignore=shutil.ignore_patterns("__pycache__"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
-                    "-w", str(out), str(PROJECT_ROOT)], check=True, capture_output=True, timeout=300)
+                    "-w", str(out), str(source)], check=True, capture_output=True, timeout=300)
     (found,) = out.glob("triton_pipelines-*.whl")
     return found
 
@@ -185,6 +191,10 @@ def test_the_builder_installed_non_editable_assembles_the_same_repository(wheel,
                            capture_output=True, text=True, cwd=elsewhere, timeout=900)
     assert built.returncode == 0, built.stderr[-3000:]
     assert tree(copy) == tree(reference)
+    dockerfile = DOCKERFILE.read_text().split(" AS builder\n", 1)[1].split("\nFROM ", 1)[0]
+    for source in ("python_models", "ensembles", "data"):  # the image builds on its own (k8s init container)
+        assert f"COPY {source} /opt/triton-pipelines/{source}" in dockerfile
+    assert "ENV TRITON_PIPELINES_ROOT=/opt/triton-pipelines" in dockerfile
     lost = subprocess.run([str(python), "-m", "repo_builder", "--target", "embedded", "--output", str(copy)],
                           capture_output=True, text=True, cwd=elsewhere)
     assert lost.returncode != 0 and "no project found" in lost.stderr  # never its install location

@@ -144,11 +144,12 @@ def test_generated_nginx_config_is_valid_and_listens_where_asked(tmp_path):
 
     for address in ("127.0.0.1", "0.0.0.0"):
         config = ProxyConfig(listen_address=address, http_port=18000, grpc_port=18001, metrics_port=18002,
-                             triton_http_port=19000, triton_grpc_port=19001, status_port=19002,
+                             triton_http_ports=(19000, 19010), triton_grpc_ports=(19001,), status_port=19002,
                              state_dir=tmp_path)
         text = render_config(config)
         assert f"listen {address}:18000 " in text and f"listen {address}:18001 http2 " in text
-        assert "server 127.0.0.1:19000;" in text and "client_max_body_size 131072;" in text
+        assert "server 127.0.0.1:19000 max_fails=0;" in text and "server 127.0.0.1:19010 max_fails=0;" in text
+        assert "client_max_body_size 131072;" in text
         for name in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"):
             (tmp_path / name).mkdir(exist_ok=True)
         (tmp_path / "nginx.conf").write_text(text)

@@ -20,6 +20,7 @@ import yaml
 from triton_pipelines.client import InferenceServerException, TritonClient
 from triton_pipelines.launcher import start_on_free_ports
 
+from .conftest import gateway_environment
 from .fake_gateway import Reply
 from .router_helpers import metric, route, scrape
 
@@ -38,17 +39,9 @@ def gateway_server(triton_server, fake, tmp_path_factory):
     document = yaml.safe_load(routes.read_text())
     document["gateway"].update(GATEWAY)
     routes.write_text(yaml.safe_dump(document))
-    saved = {k: os.environ.get(k) for k in ("LLM_GATEWAY_BASE_URL", "LLM_GATEWAY_API_KEY")}
-    os.environ.update(LLM_GATEWAY_BASE_URL=fake.base_url, LLM_GATEWAY_API_KEY=KEY)
     log = ROOT / ".cache" / "test-router-gateway-server.log"
-    try:
+    with gateway_environment(fake.base_url, KEY):
         server = start_on_free_ports(repository, log, timeout_s=120)
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
     yield server
     server.stop()
     assert KEY not in log.read_text(errors="replace"), "the API key appeared in the server log"

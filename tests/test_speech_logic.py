@@ -14,6 +14,8 @@ from triton_pipelines.errors import InputError
 from triton_pipelines.speech import (
     MAX_TARGET_POSITIONS,
     SAMPLE_RATE,
+    SEAM_QUIET_SECONDS,
+    SEAM_SEARCH_SECONDS,
     WINDOW_SAMPLES,
     GreedyBatch,
     WhisperTokenizer,
@@ -71,12 +73,27 @@ def test_log_mel_matches_hugging_face_feature_extractor(n_mels):
     np.testing.assert_allclose(ours, reference, atol=1e-4, rtol=0)
 
 
-def test_long_audio_is_split_into_30_second_windows():
-    audio = np.arange(int(2.5 * WINDOW_SAMPLES), dtype=np.float32)
+def test_long_audio_is_cut_in_pauses_into_windows_of_at_most_30_s():
+    """Each cut lies in the quietest stretch of the window's last SEAM_SEARCH_SECONDS (here the
+    pauses placed there), every sample lands in exactly one window, none is longer than 30 s."""
+    rng = np.random.default_rng(0)
+    audio = (0.3 * rng.standard_normal(int(75 * SAMPLE_RATE))).astype(np.float32)
+    pauses = [(27.0, 27.5), (55.2, 55.6)]  # the second window starts at the first cut
+    for start, stop in pauses:
+        audio[int(start * SAMPLE_RATE):int(stop * SAMPLE_RATE)] *= 1e-3
     windows = split_windows(audio)
-    assert [len(w) for w in windows] == [WINDOW_SAMPLES, WINDOW_SAMPLES, WINDOW_SAMPLES // 2]
     np.testing.assert_array_equal(np.concatenate(windows), audio)
+    assert all(len(w) <= WINDOW_SAMPLES for w in windows) and len(windows) == 3
+    cuts = np.cumsum([len(w) for w in windows])[:-1] / SAMPLE_RATE
+    for cut, (start, stop) in zip(cuts, pauses):
+        assert start + SEAM_QUIET_SECONDS / 2 <= cut <= stop - SEAM_QUIET_SECONDS / 2, (cut, start, stop)
+    # no pause at all: still windows of 30 - SEAM_SEARCH_SECONDS .. 30 s that cover everything
+    steady = np.ones(int(2.5 * WINDOW_SAMPLES), np.float32)
+    windows = split_windows(steady)
+    assert all(WINDOW_SAMPLES - SEAM_SEARCH_SECONDS * SAMPLE_RATE <= len(w) <= WINDOW_SAMPLES for w in windows[:-1])
+    assert sum(len(w) for w in windows) == len(steady) and len(windows) == 3
     assert [len(w) for w in split_windows(np.zeros(10, np.float32))] == [10]
+    assert [len(w) for w in split_windows(np.zeros(WINDOW_SAMPLES, np.float32))] == [WINDOW_SAMPLES]
 
 
 def test_pad_windows_pads_items_to_the_longest():
@@ -212,6 +229,23 @@ def test_greedy_batch_suppresses_special_tokens_except_eot(tokenizer):
     assert state.tokens == [[7]]
 
 
+def test_greedy_batch_applies_whispers_suppression_and_the_first_token_rule(tokenizer):
+    """The served masks: non-speech symbols never; a blank or <|endoftext|> not as the first token
+    (Whisper's suppress_blank), both allowed afterwards."""
+    mask, begin = tokenizer.suppress_masks(51865)
+    state = GreedyBatch(np.array([tokenizer.prompt()] * 2), tokenizer.eot, 5, mask, begin_mask=begin)
+    blank, symbol = tokenizer.encode(" ")[0], tokenizer.non_speech_tokens[0]
+    first = np.zeros((2, 51865), np.float32)
+    first[0, tokenizer.eot], first[0, 50] = 9.0, 1.0  # eot first → suppressed, 50 wins
+    first[1, blank], first[1, symbol], first[1, 70] = 9.0, 8.0, 1.0  # blank and symbol suppressed
+    state.advance(first)
+    assert state.tokens == [[50], [70]]
+    later = np.zeros((2, 51865), np.float32)
+    later[0, blank], later[1, tokenizer.eot] = 9.0, 9.0
+    state.advance(later)
+    assert state.tokens == [[50, blank], [70]] and state.active.tolist() == [0]
+
+
 def test_greedy_batch_without_compaction_keeps_rows(tokenizer):
     eot = tokenizer.eot
     state = GreedyBatch(np.array([tokenizer.prompt()] * 2), eot, 3, suppress_mask(51865, eot), compact=False)
@@ -265,14 +299,23 @@ def test_gpu_target_defaults_to_large_v3_configs_without_exporting():
     assert list(decoder_config.input[1].dims) == [64, 20, -1, 64] and len(decoder_config.input) == 66
     assert list(decoder_config.output[0].dims) == [51866]
     embedded = BuildContext(target="embedded", output=Path("/nonexistent"), args=args, root=Path.cwd())
-    tiny_encoder, tiny_decoder = part.compute_models(embedded)
-    assert tiny_encoder.config("embedded").backend == "python"
+    base_encoder, base_decoder = part.compute_models(embedded)  # the default: real Whisper base
+    assert base_encoder.config("embedded").backend == "python"
     # one description: same tensors on both targets; on the embedded target the cross K/V are
     # also optional (a BLS caller may name the runner's cached copy instead)
-    embedded_inputs, gpu_inputs = tiny_decoder.config("embedded").input, tiny_decoder.config("gpu").input
+    embedded_inputs, gpu_inputs = base_decoder.config("embedded").input, base_decoder.config("gpu").input
     assert [(t.name, t.data_type, list(t.dims)) for t in embedded_inputs] == \
         [(t.name, t.data_type, list(t.dims)) for t in gpu_inputs]
-    assert [t.name for t in embedded_inputs if t.optional] == cross_names(4)
+    assert list(embedded_inputs[1].dims) == [12, 8, -1, 64]
+    assert [t.name for t in embedded_inputs if t.optional] == cross_names(6)
     assert not any(t.optional for t in gpu_inputs)
-    assert tiny_decoder.config("embedded").parameters["cached_inputs"].string_value == ",".join(cross_names(4))
+    assert base_decoder.config("embedded").parameters["cached_inputs"].string_value == ",".join(cross_names(6))
     assert part.model_table(gpu)[0]["architecture"].startswith("Whisper large-v3")
+    assert "random" in part.model_table(gpu)[0]["weights"]
+    assert part.model_table(embedded)[0]["architecture"].startswith("Whisper base")
+    assert part.model_table(embedded)[0]["weights"].startswith("OpenAI Whisper base")
+    # an explicit size: that architecture with random weights (fast tests)
+    tiny = BuildContext(target="embedded", output=Path("/nonexistent"),
+                        args=argparse.Namespace(whisper_size="tiny", whisper_checkpoint=None), root=Path.cwd())
+    assert part.compute_models(tiny)[1].source_key != base_decoder.source_key
+    assert list(part.compute_models(tiny)[1].config("embedded").input[1].dims) == [8, 6, -1, 64]

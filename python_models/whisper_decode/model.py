@@ -18,7 +18,7 @@ from triton_pipelines.backend import error_response, model_parameters
 from triton_pipelines.errors import InputError
 from triton_pipelines.onnx_runner import NOT_CACHED
 from triton_pipelines.speech import (GreedyBatch, WhisperTokenizer, cross_names, group_windows, join_transcript,
-                                     plan_request, suppress_mask)
+                                     plan_request)
 
 
 class BlsError(RuntimeError):
@@ -44,9 +44,15 @@ class TritonPythonModel:
                          "default_max_new_tokens": int(p["max_new_tokens"])}
         self.encoder_batch = int(p["encoder_max_batch_size"])
         self.decoder_batch = int(p["decoder_max_batch_size"])
+        # Windows decoded together. Embedded: the decoder's whole batch (the encoder's CPU outputs of
+        # several calls are joined). gpu: one encoder call's worth, so its device tensors are the
+        # decoder's cross K/V as they are (device tensors cannot be joined here) and the
+        # self-attention K/V crossing this stub's shared memory stay bounded (docs/speech.md).
+        self.group_size = self.decoder_batch if p.get("decoder_input_cache", "false") == "true" else min(
+            self.decoder_batch, self.encoder_batch)
         vocab_size = int(p["vocab_size"])
         self.tokenizer = WhisperTokenizer.for_vocab_size(version_dir / "multilingual.tiktoken", vocab_size)
-        self.mask = suppress_mask(vocab_size, self.tokenizer.eot)
+        self.mask, self.begin_mask = self.tokenizer.suppress_masks(vocab_size)
         self.cross_names = cross_names(int(p["decoder_layers"]))
         # Embedded target: the decoder's runner keeps the cross K/V of this instance's current batch
         # under this key, so only the first step of a batch copies them (onnx_runner.InputCache).
@@ -95,8 +101,8 @@ class TritonPythonModel:
         prompts = join([job.prompts for job in jobs])
         bounds = join([job.max_new_tokens for job in jobs])
         window_tokens = []
-        for start in range(0, len(features), self.decoder_batch):
-            stop = start + self.decoder_batch
+        for start in range(0, len(features), self.group_size):
+            stop = start + self.group_size
             window_tokens += self.decode_group(features[start:stop], prompts[start:stop], bounds[start:stop])
         result, offset = [], 0
         for job in jobs:
@@ -110,7 +116,7 @@ class TritonPythonModel:
         # Finished windows leave the batch when their rows can be gathered here (CPU tensors); with
         # the cross K/V on a GPU they stay in the batch and their tokens are ignored.
         cpu = all(t.is_cpu() for t in cross.values())
-        state = GreedyBatch(prompts, self.tokenizer.eot, bounds, self.mask, compact=cpu)
+        state = GreedyBatch(prompts, self.tokenizer.eot, bounds, self.mask, compact=cpu, begin_mask=self.begin_mask)
         _, heads, _, head_dim = cross["cross_value_0"].shape()
         # Zero-length self-attention cache on the first step: [rows, 2 * layers, heads, 0, head_dim].
         past = pb_utils.Tensor("past_self_kv", np.zeros((len(prompts), len(cross), heads, 0, head_dim), np.float32))

@@ -46,7 +46,7 @@ from pathlib import Path
 from .control import (STATE_ENV, ControlClient, private_dir, resolve_key, restricted_api_flags,
                       write_private)
 from .drain import drain
-from .processes import free_ports, remove_leftovers, terminate_with_parent
+from .processes import free_ports, remove_leftovers, spawn
 from .proxy import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_JSON_BYTES, ProxyConfig, ProxyProcess
 from .supervisor import LauncherMetrics, StatusServer, StubWatchdog
 
@@ -110,6 +110,8 @@ class ServerOptions:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_json_bytes: int = DEFAULT_MAX_JSON_BYTES
     supervise_interval_s: float = 1.0
+    # tritonservers behind the one nginx (round robin): scale-out on one machine.
+    replicas: int = 1
     extra_args: list[str] = field(default_factory=list)
 
 
@@ -160,11 +162,115 @@ def server_environment() -> dict[str, str]:
     return env
 
 
+class Replica:
+    """One tritonserver on loopback ports of its own: process, control client, stub watchdog and
+    restart after a crash. ``--replicas N`` runs N of them behind the one nginx."""
+
+    def __init__(self, index: int, options: ServerOptions, key: str, metrics: LauncherMetrics, log,
+                 stdout=None, stderr=None):
+        self.index, self.label = index, str(index)
+        self.options, self.key, self.metrics, self.log = options, key, metrics, log
+        self.stdout, self.stderr = stdout, stderr
+        self.internal = InternalPorts(*free_ports(3))
+        self.shm_prefix = f"triton_pipelines_{os.getpid()}_{self.internal.http}_"
+        self.control = ControlClient(f"{LOOPBACK}:{self.internal.http}", key)
+        self.watchdog = StubWatchdog(self.control, lambda: self.process.pid, metrics, log, replica=self.label)
+        self.restarting = False
+        self.retired = False
+        self.quick_crashes = 0
+        self.started_at = time.monotonic()
+        self.process = self._start()
+
+    def _start(self) -> subprocess.Popen:
+        embedded = self.options.tritonserver is None
+        self.started_at = time.monotonic()
+        # Its own session: a terminal's Ctrl-C reaches the launcher (which drains, then stops the
+        # server) rather than tritonserver directly (whose own shutdown fails in-flight ensembles).
+        return spawn(
+            server_command(self.options, self.internal, self.key, self.shm_prefix),
+            env=server_environment() if embedded else None, stdout=self.stdout, stderr=self.stderr,
+            start_new_session=True)
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def triton_ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.control.http_url}/v2/health/ready", timeout=2) as response:
+                return response.status == 200
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            return False
+
+    def healthy(self) -> bool:
+        """Fit to be sent requests: running, ready, every Python stub alive."""
+        return (not self.retired and not self.restarting and self.alive() and not self.watchdog.dead
+                and self.triton_ready())
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise RuntimeError(f"tritonserver exited with code {self.process.returncode} before it was ready")
+            if self.triton_ready():
+                return
+            time.sleep(0.5)
+        raise TimeoutError(f"tritonserver was not ready after {timeout_s:.0f} s")
+
+    def restart(self, stopping: threading.Event) -> None:
+        """After an unexpected exit: remove what it left, start it again (with backoff if it keeps dying)."""
+        code = self.process.returncode
+        how = f"signal {-code}" if code < 0 else f"code {code}"
+        killed, freed = remove_leftovers(self.process.pid, self.shm_prefix)
+        self.quick_crashes = self.quick_crashes + 1 if time.monotonic() - self.started_at < 60 else 1
+        with self.metrics.lock:
+            self.metrics.server_restarts[self.label] += 1
+            restarts = self.metrics.server_restarts[self.label]
+        backoff = min(30.0, 2.0 ** (self.quick_crashes - 1)) if self.quick_crashes > 1 else 0.0
+        replica = f" (replica {self.label})" if self.options.replicas > 1 else ""
+        self.log(f"tritonserver{replica} exited unexpectedly ({how}); removed {killed} orphaned stub(s) and "
+                 f"{freed / 2**20:.0f} MiB of /dev/shm; restarting it (restart {restarts}"
+                 + (f", after {backoff:.0f} s" if backoff else "") + ")")
+        self.restarting = True
+        self.watchdog.reset()
+        if stopping.wait(backoff):
+            return
+        self.process = self._start()
+        try:
+            self.wait_ready(timeout_s=600)
+            self.log(f"tritonserver{replica} is ready again")
+        except (RuntimeError, TimeoutError) as error:
+            self.log(f"restarted tritonserver{replica} did not become ready: {error}")
+        finally:
+            self.restarting = False
+
+    def stop(self, timeout_s: float | None = None) -> None:
+        """Drain (unload models top-down, in-flight requests finish), then SIGTERM."""
+        if self.alive():
+            leaked = set(self.watchdog.leaked)
+            try:
+                drain(self.control, timeout_s=self.options.exit_timeout_secs, never_unloads=leaked)
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, RuntimeError) as error:
+                self.log(f"drain skipped: {error}")
+            self.process.send_signal(signal.SIGTERM)
+            # Drained, nothing is in flight: Triton would only wait its exit timeout for an instance
+            # it never releases (a model whose stub died), so that wait is cut short.
+            wait_s = 5 if leaked else (timeout_s or self.options.exit_timeout_secs + 30)
+            try:
+                self.process.wait(timeout=wait_s)
+            except subprocess.TimeoutExpired:
+                if leaked:
+                    self.log(f"stopping without waiting for the dead-stub instances of {sorted(leaked)}")
+                self.process.kill()
+                self.process.wait()
+        remove_leftovers(self.process.pid, self.shm_prefix)
+
+
 class Launcher:
-    """tritonserver + nginx + supervisor; use as a context manager or call ``stop()``.
+    """nginx + tritonserver (``options.replicas`` of them) + supervisor; use as a context manager or
+    call ``stop()``.
 
     ``http_url`` / ``grpc_url`` / ``metrics_url`` are the public (proxied) endpoints; ``control`` is
-    the model-repository API on Triton's loopback port with the key."""
+    the model-repository API on (the first) Triton's loopback port with the key."""
 
     def __init__(self, options: ServerOptions, stdout=None, stderr=None):
         self.options = options
@@ -174,6 +280,8 @@ class Launcher:
         embedded = options.tritonserver is None
         if not embedded and options.backend_dir is None:
             raise ValueError("--tritonserver needs --backend-dir (the server's own backends)")
+        if options.replicas < 1:
+            raise ValueError("--replicas must be at least 1")
         self._temporary_backend_dir = options.backend_dir is None
         if options.backend_dir is None:
             options.backend_dir = Path(tempfile.mkdtemp(prefix="triton-backends-"))
@@ -183,44 +291,74 @@ class Launcher:
         self.state_dir = private_dir((options.state_dir or Path(tempfile.mkdtemp(prefix="triton-state-"))).resolve())
         self.key = resolve_key()
         write_private(self.state_dir / "control.key", self.key + "\n")
-        self.internal = InternalPorts(*free_ports(3))
-        self.shm_prefix = f"triton_pipelines_{os.getpid()}_{self.internal.http}_"
-        self.control = ControlClient(f"{LOOPBACK}:{self.internal.http}", self.key)
         self.metrics = LauncherMetrics()
-        self.watchdog = StubWatchdog(self.control, lambda: self.process.pid, self.metrics, self.log)
         self.stopping, self._stopped = threading.Event(), threading.Event()
-        self._restarting = False
-        self.process: subprocess.Popen | None = None
+        self.replicas: list[Replica] = []
+        self.routed: tuple[int, ...] = ()
+        self._routing = threading.Lock()  # the supervisor and a retire request both reroute
         self.status = StatusServer(
-            triton_http=lambda: self.control.http_url,
-            triton_metrics=lambda: f"{LOOPBACK}:{self.internal.metrics}",
+            sources=lambda: [(r.label, f"{LOOPBACK}:{r.internal.metrics}") for r in self.replicas if not r.retired],
             # Live while the launcher supervises, restarts included: restarting the container would not
             # do better than the supervisor (readiness says when it cannot serve).
-            live=lambda: self.process is not None and not self.stopping.is_set(),
-            problems=self.watchdog.problems, metrics=self.metrics)
+            live=lambda: bool(self.replicas) and not self.stopping.is_set(),
+            not_ready=self.not_ready_reasons,
+            metrics=lambda: self.metrics.render([r.label for r in self.replicas if not r.retired]),
+            retire=self.retire, key=self.key, label_replicas=options.replicas > 1)
         try:
-            self.proxy = ProxyProcess(ProxyConfig(
-                listen_address=options.listen_address, http_port=options.http_port, grpc_port=options.grpc_port,
-                metrics_port=options.metrics_port, triton_http_port=self.internal.http,
-                triton_grpc_port=self.internal.grpc, status_port=self.status.port,
-                state_dir=self.state_dir / "proxy", max_body_bytes=options.max_body_bytes,
-                max_json_bytes=options.max_json_bytes,
-                run_as="nobody nogroup" if os.geteuid() == 0 else None), stdout=stdout, stderr=stderr)
+            self.replicas = [Replica(i, options, self.key, self.metrics, self.log, stdout, stderr)
+                             for i in range(options.replicas)]
+            self.routed = tuple(range(options.replicas))
+            self.proxy = ProxyProcess(self._proxy_config(self.routed), stdout=stdout, stderr=stderr)
         except Exception:
+            for replica in self.replicas:
+                replica.process.kill()
             self.status.close()
             raise
-        self.process = self._start_server()
+        first = self.replicas[0]
         write_private(self.state_dir / "server.json", json.dumps({
-            "launcher_pid": os.getpid(), "triton_http": self.control.http_url,
-            "triton_grpc": f"{LOOPBACK}:{self.internal.grpc}", "triton_metrics": f"{LOOPBACK}:{self.internal.metrics}",
+            "launcher_pid": os.getpid(), "triton_http": first.control.http_url,
+            "triton_grpc": f"{LOOPBACK}:{first.internal.grpc}", "triton_metrics": f"{LOOPBACK}:{first.internal.metrics}",
+            "replicas": [{"triton_http": r.control.http_url, "triton_grpc": f"{LOOPBACK}:{r.internal.grpc}"}
+                         for r in self.replicas],
+            "status": f"{LOOPBACK}:{self.status.port}",
             "http_port": options.http_port, "grpc_port": options.grpc_port, "metrics_port": options.metrics_port,
             "listen_address": options.listen_address, "model_repository": str(options.model_repository.resolve()),
-            "shm_prefix": self.shm_prefix}, indent=2))
+            "shm_prefix": first.shm_prefix}, indent=2))
         self.supervisor = threading.Thread(target=self._supervise, name="supervisor", daemon=True)
-        self._supervising = threading.Event()
 
     def log(self, message: str) -> None:
         os.write(self._log_fd, f"[launcher] {message}\n".encode())
+
+    def _proxy_config(self, routed: tuple[int, ...]) -> ProxyConfig:
+        chosen = [self.replicas[i] for i in routed]
+        return ProxyConfig(
+            listen_address=self.options.listen_address, http_port=self.options.http_port,
+            grpc_port=self.options.grpc_port, metrics_port=self.options.metrics_port,
+            triton_http_ports=tuple(r.internal.http for r in chosen),
+            triton_grpc_ports=tuple(r.internal.grpc for r in chosen), status_port=self.status.port,
+            state_dir=self.state_dir / "proxy", max_body_bytes=self.options.max_body_bytes,
+            max_json_bytes=self.options.max_json_bytes, run_as="nobody nogroup" if os.geteuid() == 0 else None)
+
+    # ------------------------------------------------------------------------- the first replica
+    @property
+    def process(self) -> subprocess.Popen:
+        return self.replicas[0].process
+
+    @property
+    def internal(self) -> InternalPorts:
+        return self.replicas[0].internal
+
+    @property
+    def control(self) -> ControlClient:
+        return self.replicas[0].control
+
+    @property
+    def watchdog(self) -> StubWatchdog:
+        return self.replicas[0].watchdog
+
+    @property
+    def shm_prefix(self) -> str:
+        return self.replicas[0].shm_prefix
 
     # ------------------------------------------------------------------------- endpoints
     def _public_host(self) -> str:
@@ -245,36 +383,27 @@ class Launcher:
     def metrics_url(self) -> str:
         return f"http://{self._public_host()}:{self.options.metrics_port}/metrics"
 
-    # ------------------------------------------------------------------------- processes
-    def _start_server(self) -> subprocess.Popen:
-        embedded = self.options.tritonserver is None
-        # Its own session: a terminal's Ctrl-C reaches this launcher (which drains, then stops the
-        # server) rather than tritonserver directly (whose own shutdown fails in-flight ensembles).
-        return subprocess.Popen(
-            server_command(self.options, self.internal, self.key, self.shm_prefix),
-            env=server_environment() if embedded else None, stdout=self.stdout, stderr=self.stderr,
-            start_new_session=True, preexec_fn=terminate_with_parent)
-
-    def _triton_ready(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"http://{self.control.http_url}/v2/health/ready", timeout=2) as response:
-                return response.status == 200
-        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-            return False
-
-    def _wait_server(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"tritonserver exited with code {self.process.returncode} before it was ready")
-            if self._triton_ready():
-                return
-            time.sleep(0.5)
-        raise TimeoutError(f"tritonserver was not ready after {timeout_s:.0f} s")
+    # ------------------------------------------------------------------------- health
+    def not_ready_reasons(self) -> list[str]:
+        """Why the server cannot serve: empty when some replica in service is healthy."""
+        active = [r for r in self.replicas if not r.retired]
+        if any(r.healthy() for r in active):
+            return []
+        reasons = []
+        for replica in active:
+            prefix = f"replica {replica.label}: " if len(self.replicas) > 1 else ""
+            if replica.restarting or not replica.alive():
+                reasons.append(prefix + "tritonserver is not running (restarting)")
+            else:
+                reasons += [prefix + problem for problem in replica.watchdog.problems()]
+                if not replica.triton_ready():
+                    reasons.append(prefix + "tritonserver is not ready (models loading or unloading)")
+        return reasons or ["no replica in service"]
 
     def wait_ready(self, timeout_s: float = 300.0) -> None:
-        """Block until every loaded model is ready and the public port answers; then supervise."""
-        self._wait_server(timeout_s)
+        """Block until every replica is ready and the public port answers; then supervise."""
+        for replica in self.replicas:
+            replica.wait_ready(timeout_s)
         deadline = time.monotonic() + 30
         url = f"http://{self.http_url}/v2/health/ready"
         while True:
@@ -291,76 +420,73 @@ class Launcher:
         if not self.supervisor.is_alive() and not self.stopping.is_set():
             self.supervisor.start()
 
+    # ------------------------------------------------------------------------- supervision
+    def _route(self) -> None:
+        """Send requests only to healthy replicas (all of them if none is)."""
+        with self._routing:
+            active = [r for r in self.replicas if not r.retired]
+            healthy = tuple(r.index for r in active if r.healthy()) or tuple(r.index for r in active)
+            if healthy and healthy != self.routed:
+                self.proxy.reconfigure(self._proxy_config(healthy))
+                if len(self.replicas) > 1:
+                    self.log(f"routing to replica(s) {', '.join(str(i) for i in healthy)}")
+                self.routed = healthy
+
     def _supervise(self) -> None:
-        quick_crashes = 0
-        started = time.monotonic()
         while not self.stopping.wait(self.options.supervise_interval_s):
-            if self.process.poll() is not None and not self.stopping.is_set():
-                quick_crashes = quick_crashes + 1 if time.monotonic() - started < 60 else 0
-                started = self._restart_server(quick_crashes)
-                continue
             if not self.proxy.alive() and not self.stopping.is_set():
                 self.log(f"nginx exited with code {self.proxy.process.returncode}; restarting it")
                 with self.metrics.lock:
                     self.metrics.proxy_restarts += 1
                 self.proxy.restart()
-            try:
-                self.watchdog.check()
-            except (urllib.error.URLError, OSError, ValueError) as error:
-                if not self.stopping.is_set() and self.process.poll() is None:
-                    self.log(f"watchdog check failed: {error}")
+            for replica in [r for r in self.replicas if not r.retired]:
+                if not replica.alive() and not self.stopping.is_set():
+                    replica.restart(self.stopping)
+                    continue
+                try:
+                    replica.watchdog.detect()
+                except (urllib.error.URLError, OSError, ValueError) as error:
+                    if not self.stopping.is_set() and replica.alive():
+                        self.log(f"watchdog check failed: {error}")
+            if not self.stopping.is_set():
+                self._route()  # route around a dead stub before repairing it
+            for replica in [r for r in self.replicas if not r.retired and r.watchdog.dead]:
+                if not self.stopping.is_set():
+                    replica.watchdog.repair()
 
-    def _restart_server(self, quick_crashes: int) -> float:
-        code = self.process.returncode
-        how = f"signal {-code}" if code < 0 else f"code {code}"
-        killed, freed = remove_leftovers(self.process.pid, self.shm_prefix)
-        with self.metrics.lock:
-            self.metrics.server_restarts += 1
-            restarts = self.metrics.server_restarts
-        backoff = min(30.0, 2.0 ** (quick_crashes - 1)) if quick_crashes else 0.0
-        self.log(f"tritonserver exited unexpectedly ({how}); removed {killed} orphaned stub(s) and "
-             f"{freed / 2**20:.0f} MiB of /dev/shm; restarting it (restart {restarts}"
-             + (f", after {backoff:.0f} s" if backoff else "") + ")")
-        self._restarting = True
-        self.watchdog.reset()
-        if self.stopping.wait(backoff):
-            return time.monotonic()
-        self.process = self._start_server()
-        try:
-            self._wait_server(timeout_s=600)
-            self.log("tritonserver is ready again")
-        except (RuntimeError, TimeoutError) as error:
-            self.log(f"restarted tritonserver did not become ready: {error}")
-        finally:
-            self._restarting = False
-        return time.monotonic()
+    def retire(self, index: int) -> str:
+        """Take replica ``index`` out of service without failing a request: nginx stops sending it
+        requests (graceful reload), then it drains and stops."""
+        if not 0 <= index < len(self.replicas) or self.replicas[index].retired:
+            raise ValueError(f"no replica {index} in service")
+        if all(r.retired for r in self.replicas if r.index != index):
+            raise ValueError("the last replica in service cannot be retired: stop the launcher instead")
+        replica = self.replicas[index]
+        with self._routing:
+            replica.retired = True
+            self.routed = tuple(i for i in self.routed if i != index) or tuple(
+                r.index for r in self.replicas if not r.retired)
+            self.proxy.reconfigure(self._proxy_config(self.routed))
+        self.log(f"replica {index} retired from service; draining it")
+        replica.stop()
+        self.metrics.set_ready(replica.label, {})
+        self.log(f"replica {index} stopped")
+        return str(index)
 
     def stop(self, timeout_s: float | None = None) -> int:
-        """Drain (unload models top-down, in-flight requests finish), then SIGTERM; then nginx."""
+        """Close the public ports gracefully (requests in flight finish), drain every replica
+        (models unloaded top-down), SIGTERM them."""
         if self._stopped.is_set():
             return self.process.returncode
         self.stopping.set()
         if self.supervisor.is_alive() and threading.current_thread() is not self.supervisor:
             self.supervisor.join(timeout=self.options.exit_timeout_secs + 60)
-        if self.process.poll() is None:
-            leaked = set(self.watchdog.leaked)
-            try:
-                drain(self.control, timeout_s=self.options.exit_timeout_secs, never_unloads=leaked)
-            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, RuntimeError) as error:
-                self.log(f"drain skipped: {error}")
-            self.process.send_signal(signal.SIGTERM)
-            # Drained, nothing is in flight: Triton would only wait its exit timeout for an instance
-            # it never releases (a model whose stub died), so that wait is cut short.
-            wait_s = 5 if leaked else (timeout_s or self.options.exit_timeout_secs + 30)
-            try:
-                self.process.wait(timeout=wait_s)
-            except subprocess.TimeoutExpired:
-                if leaked:
-                    self.log(f"stopping without waiting for the dead-stub instances of {sorted(leaked)}")
-                self.process.kill()
-                self.process.wait()
-        remove_leftovers(self.process.pid, self.shm_prefix)
-        self.proxy.stop()
+        self.proxy.stop(timeout_s=self.options.exit_timeout_secs)
+        threads = [threading.Thread(target=r.stop, args=(timeout_s,)) for r in self.replicas if not r.retired]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
         self.status.close()
         if self._temporary_backend_dir:
             shutil.rmtree(self.options.backend_dir, ignore_errors=True)
@@ -448,6 +574,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="the server's backends; default (embedded): a temporary folder laid out from the wheel")
     parser.add_argument("--exit-timeout-secs", type=int, default=30)
     parser.add_argument("--log-verbose", type=int, default=0)
+    parser.add_argument("--replicas", type=int, default=int(os.environ.get("TRITON_REPLICAS", 1)),
+                        help="tritonserver processes behind the one public front, round robin "
+                             "(default $TRITON_REPLICAS or 1)")
     parser.add_argument("--load-model", action="append", dest="models", metavar="NAME",
                         help="load only these models at start (repeatable); default: every model")
     parser.add_argument("extra_args", nargs="*", help="passed to tritonserver after `--`")
@@ -472,6 +601,7 @@ def main(argv: list[str] | None = None) -> int:
         exit_timeout_secs=args.exit_timeout_secs,
         log_verbose=args.log_verbose,
         models=args.models,
+        replicas=args.replicas,
         extra_args=args.extra_args,
     )
     server = Launcher(options)

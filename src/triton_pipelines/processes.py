@@ -4,8 +4,11 @@ stub processes of a ``tritonserver`` read from ``/proc`` (Linux)."""
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import socket
+import subprocess
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +22,47 @@ def terminate_with_parent() -> None:
 
     pr_set_pdeathsig = 1
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
+class _Spawner:
+    """Starts child processes from one thread that lives as long as the process.
+
+    The kernel's parent-death signal (``terminate_with_parent``) fires when the THREAD that forked
+    the child ends, not the process: a tritonserver restarted by the supervisor thread would get
+    SIGTERM the moment that thread returns. Every child is forked here instead."""
+
+    def __init__(self):
+        self.requests: queue.Queue = queue.Queue()
+        self.thread: threading.Thread | None = None
+        self.lock = threading.Lock()
+
+    def _run(self) -> None:
+        while True:
+            args, kwargs, reply = self.requests.get()
+            try:
+                reply.put((subprocess.Popen(*args, **kwargs), None))
+            except BaseException as error:  # handed to the caller
+                reply.put((None, error))
+
+    def popen(self, *args, **kwargs) -> subprocess.Popen:
+        with self.lock:
+            if self.thread is None or not self.thread.is_alive():
+                self.thread = threading.Thread(target=self._run, name="spawner", daemon=True)
+                self.thread.start()
+        reply: queue.Queue = queue.Queue(maxsize=1)
+        self.requests.put((args, kwargs, reply))
+        process, error = reply.get()
+        if error is not None:
+            raise error
+        return process
+
+
+_spawner = _Spawner()
+
+
+def spawn(*args, **kwargs) -> subprocess.Popen:
+    """``subprocess.Popen`` for a child that must die with the launcher (and only with it)."""
+    return _spawner.popen(*args, preexec_fn=terminate_with_parent, **kwargs)
 
 
 def free_ports(count: int) -> list[int]:
@@ -72,6 +116,21 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def child_pids(pid: int) -> list[int]:
+    """Live children of ``pid``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.append(int(entry.name))
+    return found
 
 
 def find_stubs(server_pid: int | None = None) -> list[Stub]:

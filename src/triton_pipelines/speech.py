@@ -9,8 +9,10 @@ Greedy decoding (``GreedyBatch``) is the same state machine in Triton (one BLS c
 ``whisper_decoder`` per step) and in process (``WhisperOnnx.decode_windows``): every window starts from
 the prompt ``<|startoftranscript|><|lang|><|task|><|notimestamps|>``; each step feeds the new
 tokens and the self-attention cache, takes the argmax over the text tokens plus
-``<|endoftext|>`` (other special tokens are suppressed), and a window leaves the batch at
-``<|endoftext|>`` or after ``max_new_tokens``.
+``<|endoftext|>`` with Whisper's standard suppression (every other special token, the non-speech
+symbols, and a blank or ``<|endoftext|>`` as the first token: what openai-whisper, faster-whisper
+and transformers do by default), and a window leaves the batch at ``<|endoftext|>`` or after
+``max_new_tokens``.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import base64
 import io
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Sequence
 
@@ -107,10 +110,38 @@ def decode_audio(data: bytes, index: int = 0, input_name: str = "audio",
     return np.ascontiguousarray(mono, dtype=np.float32)
 
 
+# Audio longer than one window is cut in a pause, not at exactly 30 s: within the last
+# SEAM_SEARCH_SECONDS of each window, at the centre of the quietest SEAM_QUIET_SECONDS, so that no
+# word is split between two windows (one would drop it or both would transcribe half of it).
+SEAM_SEARCH_SECONDS = 5.0
+SEAM_QUIET_SECONDS = 0.2
+
+
+def window_cuts(audio: np.ndarray) -> list[int]:
+    """Sample offsets where each window starts: 0, then one cut per window of a longer clip, each
+    window at most 30 s and at least 30 s − ``SEAM_SEARCH_SECONDS``, cut in the quietest stretch."""
+    quiet = int(SEAM_QUIET_SECONDS * SAMPLE_RATE)
+    search = int(SEAM_SEARCH_SECONDS * SAMPLE_RATE)
+    cuts, start = [0], 0
+    while len(audio) - start > WINDOW_SAMPLES:
+        low = start + WINDOW_SAMPLES - search
+        high = min(start + WINDOW_SAMPLES, len(audio) - (quiet - quiet // 2))
+        region = audio[low - quiet // 2:high + quiet - quiet // 2].astype(np.float64)
+        running = np.concatenate([[0.0], np.cumsum(region * region)])
+        power = (running[quiet:] - running[:-quiet]) / quiet  # mean power of the stretch centred on low..high
+        # The latest of the quietest positions (within 1e-10, -100 dBFS: digital silence ties),
+        # so that windows stay long.
+        best = int(np.flatnonzero(power <= power.min() + 1e-10)[-1])
+        start = low + best
+        cuts.append(start)
+    return cuts
+
+
 def split_windows(audio: np.ndarray) -> list[np.ndarray]:
-    """30 s windows (the last one shorter); at least one window, even for a very short clip."""
-    count = max(1, -(-len(audio) // WINDOW_SAMPLES))
-    return [audio[i * WINDOW_SAMPLES:(i + 1) * WINDOW_SAMPLES] for i in range(count)]
+    """Windows of at most 30 s, cut in pauses (``window_cuts``); together exactly the samples of
+    ``audio``. At least one window, even for a very short clip."""
+    cuts = window_cuts(audio) + [len(audio)]
+    return [audio[a:b] for a, b in zip(cuts[:-1], cuts[1:])]
 
 
 def load_mel_filters(path: Path | str, n_mels: int) -> np.ndarray:
@@ -208,6 +239,30 @@ class WhisperTokenizer:
     def encode(self, text: str) -> list[int]:
         return self.encoding.encode(text)
 
+    @cached_property
+    def non_speech_tokens(self) -> tuple[int, ...]:
+        """Tokens of symbols that are not speech (music notes, brackets, ...), as openai-whisper's
+        ``Tokenizer.non_speech_tokens`` (and faster-whisper's ``suppress_tokens=[-1]``) computes
+        them: Whisper never transcribes them by default. Hyphens and quotes stay allowed between
+        words, but not at the start of one."""
+        symbols = list('"#()*+/:;<=>@[\\]^_`{|}~「」『』')
+        symbols += "<< >> <<< >>> -- --- -( -[ (' (\" (( )) ((( ))) [[ ]] {{ }} ♪♪ ♪♪♪".split()
+        miscellaneous = set("♩♪♫♬♭♮♯")
+        result = {self.encode(" -")[0], self.encode(" '")[0]}
+        for symbol in symbols + sorted(miscellaneous):
+            for tokens in (self.encode(symbol), self.encode(" " + symbol)):
+                if len(tokens) == 1 or symbol in miscellaneous:
+                    result.add(tokens[0])
+        return tuple(sorted(result))
+
+    def suppress_masks(self, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+        """The additive logit masks of greedy decoding: every step, and the first generated token
+        (which may also not be a blank or ``<|endoftext|>``: Whisper's ``suppress_blank``)."""
+        mask = suppress_mask(vocab_size, self.eot, self.non_speech_tokens)
+        begin = mask.copy()
+        begin[[self.encode(" ")[0], self.eot]] = -np.inf
+        return mask, begin
+
     def decode(self, ids: Sequence[int]) -> str:
         """Text of the text tokens (special tokens dropped)."""
         return self.encoding.decode([int(i) for i in ids if int(i) < self.eot])
@@ -217,11 +272,12 @@ class WhisperTokenizer:
 # Greedy decoding
 
 
-def suppress_mask(vocab_size: int, eot: int) -> np.ndarray:
+def suppress_mask(vocab_size: int, eot: int, tokens: Sequence[int] = ()) -> np.ndarray:
     """Additive mask over the logits: every special token except ``<|endoftext|>`` is suppressed
-    (the prompt already fixed language/task, and timestamps are off)."""
+    (the prompt already fixed language/task, and timestamps are off), and ``tokens``."""
     mask = np.zeros(vocab_size, dtype=np.float32)
     mask[eot + 1:] = -np.inf
+    mask[list(tokens)] = -np.inf
     return mask
 
 
@@ -235,7 +291,8 @@ class GreedyBatch:
     when some window finished (``<|endoftext|>`` or ``max_new_tokens``), else ``None``: the caller
     then gathers those rows of its cache and cross K/V. With ``compact=False`` finished windows
     stay in the batch (their tokens are ignored) and ``advance`` always returns ``None``: for a
-    device where gathering rows costs more than carrying them.
+    device where gathering rows costs more than carrying them. ``begin_mask`` replaces ``mask``
+    for the first generated token (``WhisperTokenizer.suppress_masks``).
     """
 
     prompts: np.ndarray  # [N, prompt_length] int64
@@ -243,6 +300,7 @@ class GreedyBatch:
     max_new_tokens: int | np.ndarray  # one bound, or one per window
     mask: np.ndarray  # [vocab] additive
     compact: bool = True
+    begin_mask: np.ndarray | None = None
     tokens: list[list[int]] = field(init=False)
     active: np.ndarray = field(init=False)  # window index of each row
     next_ids: np.ndarray = field(init=False)  # [rows, T] int64: the decoder's next input_ids
@@ -262,7 +320,8 @@ class GreedyBatch:
         return bool(self._finished.all())
 
     def advance(self, logits: np.ndarray) -> np.ndarray | None:
-        chosen = np.argmax(logits + self.mask, axis=-1).astype(np.int64)
+        mask = self.begin_mask if self.steps == 0 and self.begin_mask is not None else self.mask
+        chosen = np.argmax(logits + mask, axis=-1).astype(np.int64)
         keep = []
         for row, (window, token) in enumerate(zip(self.active, chosen)):
             if self._finished[window]:
@@ -402,16 +461,17 @@ class WhisperOnnx:
         outputs = self.encoder.run(self.cross_names, {"input_features": features.astype(np.float32)})
         return dict(zip(self.cross_names, outputs))
 
-    def decode_windows(self, features: np.ndarray, prompts: np.ndarray, eot: int,
+    def decode_windows(self, features: np.ndarray, prompts: np.ndarray, tokenizer: WhisperTokenizer,
                        max_new_tokens: int | np.ndarray) -> list[list[int]]:
         """``features [N, n_mels, 3000]`` and ``prompts [N, 4]`` → generated ids per window."""
-        return self.decode_encoded(self.encode(features), prompts, eot, max_new_tokens)
+        return self.decode_encoded(self.encode(features), prompts, tokenizer, max_new_tokens)
 
-    def decode_encoded(self, cross: dict[str, np.ndarray], prompts: np.ndarray, eot: int,
+    def decode_encoded(self, cross: dict[str, np.ndarray], prompts: np.ndarray, tokenizer: WhisperTokenizer,
                        max_new_tokens: int | np.ndarray) -> list[list[int]]:
         """Greedy decoding from the encoder's cross K/V (``encode``)."""
         shape = self.shape
-        state = GreedyBatch(prompts, eot, max_new_tokens, suppress_mask(shape.vocab_size, eot))
+        mask, begin = tokenizer.suppress_masks(shape.vocab_size)
+        state = GreedyBatch(prompts, tokenizer.eot, max_new_tokens, mask, begin_mask=begin)
         past = np.zeros((len(prompts), 2 * shape.layers, shape.heads, 0, shape.head_dim), dtype=np.float32)
         while not state.done:
             logits, past = self.decoder.run(["logits", "present_self_kv"],

@@ -28,7 +28,7 @@ from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 
-from .control import ControlClient, ControlError
+from .control import CONTROL_HEADER, ControlClient, ControlError
 from .processes import Stub, find_stubs
 
 
@@ -37,20 +37,30 @@ def _escape(value: str) -> str:
 
 
 class LauncherMetrics:
+    """The launcher's counters and gauges (``replica``: which tritonserver, "0" unless --replicas)."""
+
     def __init__(self):
         self.lock = threading.Lock()
-        self.server_restarts = 0
+        self.server_restarts: Counter[str] = Counter()
         self.proxy_restarts = 0
         self.stub_restarts: Counter[str] = Counter()
-        self.model_ready: dict[tuple[str, str], int] = {}
+        self.model_ready: dict[tuple[str, str, str], int] = {}  # (replica, model, version) → 0|1
 
-    def render(self) -> str:
+    def set_ready(self, replica: str, ready: dict[tuple[str, str], int]) -> None:
+        with self.lock:
+            self.model_ready = {k: v for k, v in self.model_ready.items() if k[0] != replica}
+            self.model_ready.update({(replica, model, version): state for (model, version), state in ready.items()})
+
+    def render(self, replicas: list[str]) -> str:
         with self.lock:
             lines = [
                 "# HELP launcher_tritonserver_restarts_total tritonserver processes restarted by the launcher "
                 "after an unexpected exit",
                 "# TYPE launcher_tritonserver_restarts_total counter",
-                f"launcher_tritonserver_restarts_total {self.server_restarts}",
+            ]
+            lines += [f'launcher_tritonserver_restarts_total{{replica="{r}"}} {self.server_restarts.get(r, 0)}'
+                      for r in replicas]
+            lines += [
                 "# HELP launcher_proxy_restarts_total nginx (the public front) restarted after an unexpected exit",
                 "# TYPE launcher_proxy_restarts_total counter",
                 f"launcher_proxy_restarts_total {self.proxy_restarts}",
@@ -60,29 +70,36 @@ class LauncherMetrics:
             ]
             # Every model from the start (at 0): a counter first seen at 1 hides that first restart
             # from rate() and increase().
-            models = set(self.stub_restarts) | {model for model, _ in self.model_ready}
+            models = set(self.stub_restarts) | {model for _, model, _ in self.model_ready}
             lines += [f'launcher_stub_restarts_total{{model="{_escape(m)}"}} {self.stub_restarts.get(m, 0)}'
                       for m in sorted(models)]
             lines += ["# HELP launcher_model_ready 1 when the model version is READY and all its Python stubs "
                       "are alive, else 0",
                       "# TYPE launcher_model_ready gauge"]
-            lines += [f'launcher_model_ready{{model="{_escape(m)}",version="{_escape(v)}"}} {state}'
-                      for (m, v), state in sorted(self.model_ready.items())]
+            lines += [f'launcher_model_ready{{replica="{r}",model="{_escape(m)}",version="{_escape(v)}"}} {state}'
+                      for (r, m, v), state in sorted(self.model_ready.items())]
         return "\n".join(lines) + "\n"
 
 
 class StubWatchdog:
-    """Reloads models whose Python stubs died. ``check()`` is called periodically by the launcher."""
+    """Finds models whose Python stubs died (``detect``) and reloads them (``repair``); the launcher
+    calls both periodically, and routes around a replica with a dead stub meanwhile."""
 
     def __init__(self, control: ControlClient, server_pid: Callable[[], int], metrics: LauncherMetrics,
-                 log: Callable[[str], None], reload_timeout_s: float = 120.0):
+                 log: Callable[[str], None], replica: str = "0", reload_timeout_s: float = 120.0,
+                 confirm_s: float = 1.0):
         self.control = control
         self.server_pid = server_pid
         self.metrics = metrics
         self.log = log
+        self.replica = replica
         self.reload_timeout_s = reload_timeout_s
+        # A stub missing this long is dead: a reload by someone else (a config change unloads the old
+        # instance, then starts the new one's stub) leaves a gap of a fraction of a second.
+        self.confirm_s = confirm_s
         # (model, version) → identities of the stubs it had while READY
         self.expected: dict[tuple[str, str], set[tuple[str, str, str]]] = {}
+        self.missing_since: dict[tuple[str, str, str], float] = {}
         self.dead: dict[str, list[str]] = {}  # model → dead instance names (until repaired)
         self.leaked: set[str] = set()  # models with an instance Triton will never finish unloading
         self.generation = 0
@@ -90,6 +107,7 @@ class StubWatchdog:
     def reset(self) -> None:
         """A new server process: nothing is expected of it yet."""
         self.expected.clear()
+        self.missing_since.clear()
         self.dead.clear()
         self.leaked.clear()
 
@@ -113,8 +131,8 @@ class StubWatchdog:
             return True
         return group < len(groups) and index < int(groups[group].get("count", 1))
 
-    def check(self) -> list[str]:
-        """Find dead stubs, reload their models; returns the models reloaded."""
+    def detect(self) -> dict[str, list[str]]:
+        """Models with a stub missing for ``confirm_s`` while READY → their dead instance names."""
         ready = self._ready_versions()
         stubs: list[Stub] = find_stubs(self.server_pid())
         ready_again = self._ready_versions()  # a model that was reloaded meanwhile is not judged
@@ -126,18 +144,25 @@ class StubWatchdog:
             key = (stub.model, stub.version)
             if key in ready and key in ready_again:
                 self.expected.setdefault(key, set()).add(stub.identity)
+        now = time.monotonic()
+        missing = {identity for identities in self.expected.values() for identity in identities - alive}
+        self.missing_since = {i: self.missing_since.get(i, now) for i in missing}
         dead: dict[str, list[str]] = {}
-        for key, identities in self.expected.items():
-            for identity in identities - alive:
-                if self._still_configured(identity[0], identity[2]):
-                    dead.setdefault(identity[0], []).append(identity[2])
-                else:
-                    identities.discard(identity)
-        with self.metrics.lock:
-            self.metrics.model_ready = {key: int(key[0] not in dead) for key in ready}
+        for identity, since in self.missing_since.items():
+            if now - since < self.confirm_s:
+                continue
+            if self._still_configured(identity[0], identity[2]):
+                dead.setdefault(identity[0], []).append(identity[2])
+            else:
+                self.expected.get(identity[:2], set()).discard(identity)
+        self.metrics.set_ready(self.replica, {key: int(key[0] not in dead) for key in ready})
         self.dead = dead
+        return dead
+
+    def repair(self) -> list[str]:
+        """Reload every model found dead; returns those reloaded."""
         repaired = []
-        for model, instances in sorted(dead.items()):
+        for model, instances in sorted(self.dead.items()):
             self.log(f"watchdog: Python stub(s) {', '.join(sorted(instances))} of model '{model}' died; "
                      f"reloading '{model}'")
             started = time.monotonic()
@@ -149,6 +174,7 @@ class StubWatchdog:
                 continue
             for key in [k for k in self.expected if k[0] == model]:
                 del self.expected[key]
+            self.missing_since = {i: t for i, t in self.missing_since.items() if i[0] != model}
             with self.metrics.lock:
                 self.metrics.stub_restarts[model] += 1
             self.dead.pop(model, None)
@@ -156,16 +182,22 @@ class StubWatchdog:
             self.log(f"watchdog: '{model}' reloaded in {time.monotonic() - started:.1f} s")
         return repaired
 
+    def check(self) -> list[str]:
+        self.detect()
+        return self.repair()
+
     def problems(self) -> list[str]:
         return [f"model '{m}': Python stub(s) {', '.join(sorted(i))} died (reloading)"
                 for m, i in sorted(self.dead.items())]
 
 
 class StatusServer:
-    """Loopback HTTP server for nginx: ``/metrics`` and ``/v2/health/ready|live``."""
+    """Loopback HTTP server for nginx: ``/metrics`` and ``/v2/health/ready|live``; and, for our
+    tools with the control key, ``POST /v2/replicas/<n>/retire`` (never routed from the public ports)."""
 
-    def __init__(self, triton_http: Callable[[], str], triton_metrics: Callable[[], str],
-                 live: Callable[[], bool], problems: Callable[[], list[str]], metrics: LauncherMetrics):
+    def __init__(self, sources: Callable[[], list[tuple[str, str]]], live: Callable[[], bool],
+                 not_ready: Callable[[], list[str]], metrics: Callable[[], str],
+                 retire: Callable[[int], str] | None = None, key: str = "", label_replicas: bool = False):
         status = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -181,15 +213,27 @@ class StatusServer:
                 elif path == "/v2/health/live":
                     ok = live()
                     self.reply(200 if ok else 503, b"" if ok else json.dumps(
-                        {"error": "tritonserver is not running (restarting)"}).encode())
+                        {"error": "the launcher is stopping"}).encode())
                 elif path == "/v2/health/ready":
-                    reasons = status.not_ready_reasons()
+                    reasons = not_ready()
                     self.reply(503 if reasons else 200,
                                json.dumps({"error": "not ready: " + "; ".join(reasons)}).encode() if reasons else b"")
                 else:
                     self.reply(404, b'{"error":"not found"}')
 
             do_HEAD = do_GET
+
+            def do_POST(self):
+                parts = self.path.strip("/").split("/")
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if retire is None or len(parts) != 4 or parts[:2] != ["v2", "replicas"] or parts[3] != "retire":
+                    return self.reply(404, b'{"error":"not found"}')
+                if not key or self.headers.get(CONTROL_HEADER) != key:
+                    return self.reply(403, json.dumps({"error": f"this API needs the header '{CONTROL_HEADER}'"}).encode())
+                try:
+                    self.reply(200, json.dumps({"retired": retire(int(parts[2]))}).encode())
+                except (ValueError, IndexError) as error:
+                    self.reply(400, json.dumps({"error": str(error)}).encode())
 
             def reply(self, code: int, body: bytes, content_type: str = "application/json"):
                 self.send_response(code)
@@ -199,42 +243,63 @@ class StatusServer:
                 if self.command != "HEAD":
                     self.wfile.write(body)
 
-        self.triton_http = triton_http
-        self.triton_metrics = triton_metrics
-        self.live = live
-        self.problems = problems
-        self.metrics = metrics
         class Server(ThreadingHTTPServer):
             daemon_threads = True
 
             def handle_error(self, request, client_address):  # a caller that hung up: nothing to say
                 pass
 
+        self.sources = sources  # → [(replica label, host:port of its Triton metrics)]
+        self.label_replicas = label_replicas
+        self.metrics = metrics
         self.httpd = Server(("127.0.0.1", 0), Handler)
         self.port = self.httpd.server_address[1]
         self.thread = threading.Thread(target=self.httpd.serve_forever, name="status-server", daemon=True)
         self.thread.start()
 
     def metrics_text(self) -> bytes:
-        try:
-            with urllib.request.urlopen(f"http://{self.triton_metrics()}/metrics", timeout=5) as response:
-                triton = response.read()
-        except (urllib.error.URLError, OSError):
-            triton = b""
-        return triton + self.metrics.render().encode()
-
-    def not_ready_reasons(self) -> list[str]:
-        reasons = list(self.problems())
-        if not self.live():
-            return ["tritonserver is not running (restarting)"] + reasons
-        try:
-            with urllib.request.urlopen(f"http://{self.triton_http()}/v2/health/ready", timeout=5) as response:
-                if response.status != 200:
-                    reasons.append("tritonserver is not ready")
-        except (urllib.error.URLError, OSError):
-            reasons.append("tritonserver is not ready (models loading or unloading)")
-        return reasons
+        sources = self.sources()
+        texts = []
+        for replica, address in sources:
+            try:
+                with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as response:
+                    texts.append((replica, response.read().decode(errors="replace")))
+            except (urllib.error.URLError, OSError):
+                pass
+        if not self.label_replicas:  # one tritonserver: its metrics exactly as Triton writes them
+            triton = texts[0][1] if texts else ""
+        else:
+            triton = merge_metrics(texts)
+        return (triton + self.metrics()).encode()
 
     def close(self) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
+
+
+def merge_metrics(texts: list[tuple[str, str]], label: str = "replica") -> str:
+    """Prometheus text of several tritonservers as one: every sample gains ``label``, each family's
+    HELP/TYPE appears once with all its samples after it (the exposition format wants families whole)."""
+    families: dict[str, list[str]] = {}
+    headers: dict[str, list[str]] = {}
+    for value, text in texts:
+        family = ""
+        for line in text.splitlines():
+            if line.startswith("# HELP ") or line.startswith("# TYPE "):
+                family = line.split()[2]
+                known = headers.setdefault(family, [])
+                if line not in known and len(known) < 2:
+                    known.append(line)
+                families.setdefault(family, [])
+            elif line and not line.startswith("#"):
+                name, _, rest = line.partition("{")
+                if rest:
+                    sample = f'{name}{{{label}="{value}",{rest}'
+                else:
+                    metric, _, number = line.partition(" ")
+                    sample = f'{metric}{{{label}="{value}"}} {number}'
+                families.setdefault(family or name, []).append(sample)
+    lines = []
+    for family, samples in families.items():
+        lines += headers.get(family, []) + samples
+    return "\n".join(lines) + "\n"
