@@ -22,14 +22,13 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-import numpy as np
 
 from triton_pipelines.client import TritonClient
 
 from . import settings as bench_settings
 from .loadgen import Target, measure, triton_check, triton_request
 from .perf import markdown_table
-from .report import SweepPoint, best_config, grid, instances_vs_batching, parse_budgets
+from .report import SweepPoint, best_config, instances_vs_batching, parse_budgets
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -66,7 +65,7 @@ def requests_for(model: str, repository: Path):
     if model == "whisper_encoder":
         from triton_pipelines.speech import audio_to_features, load_mel_filters
 
-        from .bench_speech import clip
+        from .speech_work import clip
 
         filters = load_mel_filters(repository / "audio_features" / "1" / "mel_filters.npz", 80)
         features = audio_to_features(clip(), filters)[:1]

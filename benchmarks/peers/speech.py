@@ -11,13 +11,12 @@ import asyncio
 import os
 from pathlib import Path
 
-import numpy as np
 from fastapi import HTTPException, Request
 from fastapi.responses import JSONResponse
 
 from triton_pipelines.errors import InputError
-from triton_pipelines.speech import WhisperOnnx, WhisperTokenizer, audio_to_features, join_transcript, load_mel_filters
 
+from ..speech_work import Whisper
 from .batcher import MicroBatcher
 from .common import THREADS, body_items, make_app
 
@@ -25,29 +24,19 @@ REPOSITORY = Path(os.environ["PEER_REPOSITORY"])
 MAX_WINDOWS = 8  # whisper_encoder's max_batch_size
 DEFAULT_MAX_NEW_TOKENS = 224
 
-whisper = WhisperOnnx(REPOSITORY / "whisper_encoder" / "1" / "model.onnx",
-                      REPOSITORY / "whisper_decoder" / "1" / "model.onnx", intra_op_threads=THREADS)
-filters = load_mel_filters(REPOSITORY / "audio_features" / "1" / "mel_filters.npz", whisper.shape.n_mels)
-tokenizer = WhisperTokenizer.for_vocab_size(REPOSITORY / "whisper_decode" / "1" / "multilingual.tiktoken",
-                                            whisper.shape.vocab_size)
+whisper = Whisper(REPOSITORY, THREADS)
 
 
-def transcribe(requests: list[tuple[list[np.ndarray], int]]) -> list[dict]:
+def transcribe(requests: list[tuple[list, int]]) -> list[dict]:
     """requests[i] = (per-clip features [windows, n_mels, 3000], max_new_tokens)."""
-    features = [w for clips, _ in requests for clip in clips for w in clip]
-    budgets = np.array([n for clips, n in requests for clip in clips for _ in clip], dtype=np.int64)
-    prompts = np.array([tokenizer.prompt()] * len(features))
-    tokens = whisper.decode_windows(np.stack(features), prompts, tokenizer.eot, budgets)
-    answers, position = [], 0
-    for clips, _ in requests:
-        transcripts, ids = [], []
-        for clip in clips:
-            windows = tokens[position:position + len(clip)]
-            position += len(clip)
-            transcripts.append(join_transcript(tokenizer, windows))
-            ids.append([t for w in windows for t in w])
-        answers.append({"transcript": transcripts, "token_ids": ids})
-    return answers
+    clips = [clip for features, _ in requests for clip in features]
+    budgets = [n for features, n in requests for _ in features]
+    answers = iter(whisper.transcribe(clips, budgets))
+    results = []
+    for features, _ in requests:
+        mine = [next(answers) for _ in features]
+        results.append({"transcript": [t for t, _ in mine], "token_ids": [ids for _, ids in mine]})
+    return results
 
 
 batcher = MicroBatcher(transcribe, max_items=MAX_WINDOWS, size=lambda r: sum(len(c) for c in r[0]))
@@ -59,7 +48,7 @@ async def transcribe_endpoint(request: Request, max_new_tokens: int = DEFAULT_MA
     audio = await body_items(request, limit=MAX_WINDOWS)
     loop = asyncio.get_running_loop()
     try:
-        clips = await loop.run_in_executor(None, lambda: [audio_to_features(a, filters, i) for i, a in enumerate(audio)])
+        clips = await loop.run_in_executor(None, lambda: [whisper.features(a, i) for i, a in enumerate(audio)])
     except InputError as error:
         raise HTTPException(400, str(error)) from None
     if sum(len(c) for c in clips) > MAX_WINDOWS:
