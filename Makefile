@@ -8,7 +8,7 @@ BENCH_INSTALLED := $(VENV)/.bench-installed
 TARGET ?= embedded
 BUILD_FLAGS ?=
 
-.PHONY: install repository serve test bench soak lifecycle clean prometheus-tools dashboard k8s-rules
+.PHONY: install repository serve test bench bench-quick soak lifecycle clean prometheus-tools dashboard k8s-rules
 
 install: $(INSTALLED)
 
@@ -73,9 +73,30 @@ $(BENCH_INSTALLED): $(INSTALLED) requirements-bench.txt
 # Its own repository (with bert-base): building model_repository/ with and without
 # --with-bert-base in turn would delete and re-export bert-base every time.
 BENCH_REPOSITORY := .bench/model_repository
-bench: $(BENCH_INSTALLED)
+# Infinity, the embedding-server peer, in a venv of its own (its pins clash with the served stack's).
+# A failed install does not stop the benchmark: the report says why Infinity did not run (.error).
+INFINITY_VENV := .bench/venvs/infinity
+$(INFINITY_VENV)/.installed: requirements-bench-infinity.txt
+	@rm -f $(INFINITY_VENV)/.error
+	@( $(PYTHON) -m venv $(INFINITY_VENV) && \
+	   $(INFINITY_VENV)/bin/python -m pip install --quiet torch==2.13.0 && \
+	   $(INFINITY_VENV)/bin/python -m pip install --quiet -r requirements-bench-infinity.txt ) \
+	  > $(INFINITY_VENV).log 2>&1 || { mkdir -p $(INFINITY_VENV); tail -20 $(INFINITY_VENV).log > $(INFINITY_VENV)/.error; \
+	  echo "Infinity could not be installed (see $(INFINITY_VENV).log); the benchmark goes on without it"; }
+	touch $@
+
+# BENCH_MODE=full (default, about 75 minutes on 2 cores) or quick (the peers and the sweep, < 10 min);
+# BENCH_P95_MS=... BENCH_WRITE_BACK=1 steer the config search (benchmarks/bench_sweep.py).
+BENCH_MODE ?= full
+BENCH_P95_MS ?=
+BENCH_WRITE_BACK ?=
+bench: $(BENCH_INSTALLED) $(INFINITY_VENV)/.installed
 	$(PY) -m repo_builder --target embedded --output $(BENCH_REPOSITORY) --with-bert-base $(BUILD_FLAGS)
-	BENCH_MODEL_REPOSITORY=$(BENCH_REPOSITORY) $(PY) -m benchmarks
+	BENCH_MODEL_REPOSITORY=$(BENCH_REPOSITORY) BENCH_MODE=$(BENCH_MODE) BENCH_P95_MS=$(BENCH_P95_MS) \
+	  BENCH_WRITE_BACK=$(BENCH_WRITE_BACK) $(PY) -m benchmarks
+
+bench-quick:
+	$(MAKE) bench BENCH_MODE=quick
 
 # Mixed traffic, hostile requests and injected faults for SOAK_SECONDS (default 600) → docs/reliability.md.
 SOAK_SECONDS ?= 600

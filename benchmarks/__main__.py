@@ -1,9 +1,13 @@
-"""python -m benchmarks [NAME ...]: run the named benchmarks (default: all) against one embedded
+"""python -m benchmarks [--quick] [--p95-ms MS|MODEL=MS,...] [--write-back] [NAME ...]: run the named
+benchmarks (default: all; with --quick, the peers and the sweep in quick mode) against one embedded
 server and rewrite their sections of docs/benchmarks.md (other sections are kept). The server
-serves $BENCH_MODEL_REPOSITORY (``make bench``: .bench/model_repository), else model_repository/."""
+serves $BENCH_MODEL_REPOSITORY (``make bench``: .bench/model_repository), else model_repository/.
+
+--p95-ms and --write-back steer bench_sweep's config search (see benchmarks/bench_sweep.py)."""
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import os
 import platform
@@ -18,7 +22,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # benchmarks/gpu.sh writes docs/benchmarks-gpu.md instead.
 REPORT = ROOT / os.environ.get("BENCH_REPORT", "docs/benchmarks.md")
 # Module name under benchmarks/ → its section in the report, in report order.
-BENCHMARKS = ["bench_text", "bench_vision", "bench_speech", "bench_router", "bench_proxy"]
+BENCHMARKS = ["bench_peers", "bench_sweep", "bench_text", "bench_vision", "bench_speech", "bench_router",
+              "bench_proxy"]
+QUICK = ["bench_peers", "bench_sweep"]
 
 HEADER = """# Benchmarks
 
@@ -54,7 +60,20 @@ def machine_line() -> str:
 
 
 def main(argv: list[str]) -> int:
-    names = argv or BENCHMARKS
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("names", nargs="*", metavar="NAME", help=f"among {BENCHMARKS}")
+    parser.add_argument("--quick", action="store_true", help="quick mode (BENCH_MODE=quick): under 10 minutes")
+    parser.add_argument("--p95-ms", help="config search budget: one p95 in ms for every model, or MODEL=MS,...")
+    parser.add_argument("--write-back", action="store_true",
+                        help="record the config search's choice in data/compute_tuning.json for the builder")
+    args = parser.parse_args(argv)
+    if args.quick:
+        os.environ["BENCH_MODE"] = "quick"
+    if args.p95_ms:
+        os.environ["BENCH_P95_MS"] = args.p95_ms
+    if args.write_back:
+        os.environ["BENCH_WRITE_BACK"] = "1"
+    names = args.names or (QUICK if os.environ.get("BENCH_MODE") == "quick" else BENCHMARKS)
     unknown = sorted(set(names) - set(BENCHMARKS))
     if unknown:
         print(f"unknown benchmarks {unknown}; known: {BENCHMARKS}", file=sys.stderr)

@@ -87,6 +87,7 @@ class ComputeModel:
     max_queue_delay_microseconds: int = 0
     queue: QueuePolicy = REALTIME_QUEUE
     embedded_cpu_threads: int = 2
+    embedded_instances: int = 1
     gpu_instances: int = 1
     # gpu target only: one of GPU_BACKENDS, and the batch size the TensorRT optimization profile
     # is tuned for (0: max_batch_size).
@@ -139,7 +140,7 @@ class ComputeModel:
         self._add_warmup(config, (1,))
         if target == "embedded":
             config.backend = "python"
-            config.instance_group.add(kind=mc.ModelInstanceGroup.KIND_CPU, count=1)
+            config.instance_group.add(kind=mc.ModelInstanceGroup.KIND_CPU, count=self.embedded_instances)
             config.parameters["onnx_file"].string_value = "model.onnx"
             config.parameters["intra_op_threads"].string_value = str(self.embedded_cpu_threads)
             if execution_providers != "cpu":

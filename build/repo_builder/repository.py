@@ -23,6 +23,7 @@ from pathlib import Path
 from .compute import ComputeModel
 from .files import is_fresh, mark_fresh, read_config, replace_dir, write_config
 from .part import BuildContext, Part
+from .tuning import apply_tuning
 from .variants import EnsembleVariants, build_extra_versions, build_latency_variants, build_python_latency_variants
 
 
@@ -119,6 +120,7 @@ def build_repository(context: BuildContext, parts: list[Part]) -> list[str]:
         for model in part.compute_models(context):
             for other in parts:  # e.g. the router's route file adds canary versions
                 model = other.adjust_compute_model(model, context)
+            model = apply_tuning(model, context.root)  # the config search's choice, if recorded
             built.extend(build_compute_model(model, context))
             compute_models.append(model)
     for part in parts:

@@ -32,6 +32,7 @@ class TritonPythonModel:
             pad_ragged=any(i.get("allow_ragged_batch", False) for i in config["input"]),
             execution_providers=parameters.get("execution_providers", "cpu").split(","),
             engine_cache_dir=engine_cache_dir(self.model_name),
+            spin_wait=parameters.get("intra_op_spin_wait", "true") == "true",
         )
         cached = [name for name in parameters.get("cached_inputs", "").split(",") if name]
         self.cache = InputCache(cached, int(parameters.get("input_cache_entries", "8"))) if cached else None
