@@ -124,7 +124,7 @@ def test_deployment_runs_the_compose_command_with_gpu_shm_and_probes():
     volumes = {v["name"]: v for v in pod["volumes"]}
     mounts = {m["mountPath"]: m for m in triton["volumeMounts"]}
     shm = volumes[mounts["/dev/shm"]["name"]]["emptyDir"]
-    assert shm == {"medium": "Memory", "sizeLimit": "2Gi"}
+    assert shm["medium"] == "Memory" and shm["sizeLimit"].endswith("Gi")  # its size: tests/test_shm_sizes.py
     # The repository: the init container builds the gpu target into the volume Triton reads.
     repository = triton["command"][triton["command"].index("--model-repository") + 1]
     assert mounts[repository]["readOnly"] is True

@@ -281,13 +281,24 @@ class Repository:
         entry = self._cache[key]
         return GraphWeights(*entry["weights"]), entry["peak"]
 
+    def configs(self) -> dict[str, mc.ModelConfig]:
+        return {path.parent.name: _config(path) for path in sorted(self.path.glob("*/config.pbtxt"))}
+
+    def shm_needs(self) -> dict[str, int]:
+        """/dev/shm per Python-backend model of this build (``shm_needs``), loaded versions counted
+        from the version folders."""
+        configs = self.configs()
+        return shm_needs(configs, {name: self.sequence(name)[0] for name in configs},
+                         {name: len(_versions(config, self.path / name)) for name, config in configs.items()})
+
     def instances(self) -> list[Instance]:
         found = []
-        for config_path in sorted(self.path.glob("*/config.pbtxt")):
-            config = _config(config_path)
+        configs = self.configs()
+        bounds = {name: self.sequence(name)[0] for name in configs}
+        for config in configs.values():
             if config.platform == "ensemble":
                 continue
-            model_dir = config_path.parent
+            model_dir = self.path / config.name
             count = sum(g.count or 1 for g in config.instance_group) or 1
             gpus = sorted({gpu for g in config.instance_group for gpu in g.gpus})
             is_compute = config.name in self.family
@@ -299,7 +310,7 @@ class Repository:
                     self._estimate_compute(instance, config, model_dir / str(version))
                 else:
                     instance.host = PYTHON_STUB_BYTES
-                    instance.shm = SHM_DEFAULT_BYTES
+                    instance.shm = stub_region_bytes(config, configs, bounds)
                 found.append(instance)
         return found
 
@@ -338,13 +349,65 @@ class Repository:
         instance.overhead = GPU_INSTANCE_BYTES
         instance.host = (ORT_STUB_BYTES + weights.initializer_bytes + weights.gemm_weight_bytes
                          + int(CPU_ARENA_FACTOR * peak) + io + out)
-        instance.shm = _shm_region(io)
+        instance.shm = _shm_region(io) if self.target == "embedded" else 0  # gpu: no stub
 
 
 def _outputs_only(config: mc.ModelConfig) -> mc.ModelConfig:
     only = mc.ModelConfig()
     only.output.extend(config.output)
     return only
+
+
+# ----------------------------------------------------------------------------------- /dev/shm
+def bls_calls(config: mc.ModelConfig) -> list[tuple[str, int, dict[str, int]]]:
+    """The models a Python-backend model calls (BLS), the rows one call carries and the bounds of
+    their variable dims, from its parameters: their inputs and outputs cross the caller's own
+    shared-memory region too. whisper_decode (and its variants): one encoder call per
+    ``encoder_max_batch_size`` windows; each decoder step for the windows decoded together, grouped
+    as whisper_decode/model.py does, its self-attention K/V up to Whisper's 448 positions."""
+    from triton_pipelines.speech import MAX_TARGET_POSITIONS
+
+    p = {key: value.string_value for key, value in config.parameters.items()}
+    if "encoder_model" in p and "decoder_model" in p:
+        encoder, decoder = int(p["encoder_max_batch_size"]), int(p["decoder_max_batch_size"])
+        group = decoder if p.get("decoder_input_cache") == "true" else min(decoder, encoder)
+        return [(p["encoder_model"], encoder, {}), (p["decoder_model"], group, {"": MAX_TARGET_POSITIONS})]
+    return []
+
+
+def stub_region_bytes(config: mc.ModelConfig, configs: dict[str, mc.ModelConfig],
+                      bounds: dict[str, dict[str, int]]) -> int:
+    """The shared-memory region one stub of ``config`` grows to: a full batch's inputs and outputs,
+    plus those of its BLS calls at their row counts (``shm-growth-byte-size`` steps)."""
+    io = _tensor_bytes(config, max(1, config.max_batch_size), bounds.get(config.name, {}))
+    for callee, rows, callee_bounds in bls_calls(config):
+        io += _tensor_bytes(configs[callee], rows, callee_bounds)
+    return _shm_region(io)
+
+
+def config_versions(config: mc.ModelConfig) -> int:
+    """Versions a config loads (the builder writes ``specific`` for canaries, else one)."""
+    return len(config.version_policy.specific.versions) or 1
+
+
+def shm_needs(configs: dict[str, mc.ModelConfig], bounds: dict[str, dict[str, int]],
+              versions: dict[str, int] | None = None) -> dict[str, int]:
+    """/dev/shm each Python-backend model may hold (bytes): its stubs (instances x loaded versions)
+    x the region each grows to. An upper bound: outputs that a GPU backend returns in device memory
+    to a BLS caller travel by CUDA IPC, not through the region."""
+    needs = {}
+    for name, config in sorted(configs.items()):
+        if config.platform == "ensemble" or config.backend != "python":
+            continue
+        count = sum(g.count or 1 for g in config.instance_group) or 1
+        stubs = count * (versions or {}).get(name, config_versions(config))
+        needs[name] = stubs * stub_region_bytes(config, configs, bounds)
+    return needs
+
+
+def shm_size_text(size: int) -> str:
+    """A size for compose's ``shm_size`` / Kubernetes' ``sizeLimit``: whole GiB, rounded up."""
+    return f"{max(1, math.ceil(size / GiB))}gb"
 
 
 # ----------------------------------------------------------------------------------- plans
@@ -496,6 +559,27 @@ def host_report(repository: Repository, instances: list[Instance], memory: int) 
     return "\n".join(lines), fits
 
 
+def shm_report(needs: dict[str, int]) -> str:
+    lines = ["| model | /dev/shm GiB (stubs x region at a full batch, BLS calls included) |", "|---|---|"]
+    lines += [f"| {name} | {gib(size)} |" for name, size in needs.items()]
+    total = sum(needs.values())
+    lines.append(f"\ntotal {gib(total)} GiB: docker compose TRITON_SHM_SIZE={shm_size_text(total)}; Kubernetes "
+                 f"sizeLimit: {shm_size_text(total)[:-2]}Gi (an upper bound: every stub at a full batch at once)")
+    return "\n".join(lines)
+
+
+def shm_check(total: int, shm: str = "/dev/shm") -> str:
+    """One line for ``--check``: /dev/shm against the stubs' need (a note, not a failure: the need is
+    the worst case of every stub at a full batch at once)."""
+    import os
+
+    stat = os.statvfs(shm)
+    size = stat.f_blocks * stat.f_frsize
+    verdict = "holds" if size >= total else "is SMALLER than"
+    return (f"note: {shm} ({gib(size)} GiB) {verdict} what the Python-backend stubs may hold at full batches "
+            f"({gib(total)} GiB; `python -m repo_builder plan --shm` itemizes it)")
+
+
 def host_memory(field_name: str = "MemTotal") -> int:
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith(field_name + ":"):
@@ -530,10 +614,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="print the verdict only; exit 1 when it does not fit "
                                                              "(make serve runs this)")
     parser.add_argument("--json", action="store_true", help="the per-instance estimates as JSON")
+    parser.add_argument("--shm", action="store_true", help="the /dev/shm the Python-backend stubs may hold at full "
+                                                            "batches, per model (compose's TRITON_SHM_SIZE)")
     args = parser.parse_args(argv)
     if not (args.repository / ".built").exists():
         parser.error(f"{args.repository} is not built: run `make repository`")
     repository = Repository(args.repository, parse_sequence(args.sequence_length))
+    if args.shm:
+        print(shm_report(repository.shm_needs()))
+        return 0
     instances = repository.instances()
     if args.json:
         print(json.dumps([{**i.__dict__} for i in instances], indent=2))
@@ -545,6 +634,7 @@ def main(argv: list[str] | None = None) -> int:
         report, fits = host_report(repository, instances, args.host_memory or host_memory())
     if args.check:
         report = "\n".join(line for line in report.splitlines() if line.startswith(("FITS", "DOES NOT FIT", "note:", "  ")))
+        report += "\n" + shm_check(sum(repository.shm_needs().values()))
         report = "[plan] " + report.replace("\n", "\n[plan] ")
     print(report)
     return 0 if fits or not args.check else 1

@@ -6,7 +6,8 @@ Layout written to ``output``::
     <model>/1/model.onnx            compute models (exported once, re-exported when their hash changes)
     <model>/1/model.py              Python models (and, on the embedded target, compute runners)
     <model>/1/<assets>              tokenizer.json, prototypes, label files ...
-    .built                          JSON: target and the list of models
+    .built                          JSON: target, the models, what the rollout and the planner read
+                                    (compute-model facts, the /dev/shm the stubs may hold)
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from .compute import ComputeModel
 from .files import is_fresh, mark_fresh, read_config, replace_dir, write_config
 from .part import BuildContext, Part
 from .tuning import apply_tuning
-from .variants import EnsembleVariants, build_extra_versions, build_latency_variants, build_python_latency_variants
+from .variants import (EnsembleVariants, build_extra_versions, build_latency_variants, build_python_latency_variants,
+                       variant_model)
 
 
 
@@ -111,18 +113,48 @@ def build_ensemble(name: str, part: Part, context: BuildContext) -> None:
     (model_dir / "1").mkdir(exist_ok=True)  # Triton needs a version folder, even an empty one
 
 
-def build_repository(context: BuildContext, parts: list[Part]) -> list[str]:
-    started = time.monotonic()
-    context.output.mkdir(parents=True, exist_ok=True)
-    built: list[str] = []
-    compute_models: list[ComputeModel] = []
+def compute_models_of(context: BuildContext, parts: list[Part]) -> list[ComputeModel]:
+    """Every part's compute models as the build makes them (other parts' adjustments, the recorded tuning)."""
+    models = []
     for part in parts:
         for model in part.compute_models(context):
             for other in parts:  # e.g. the router's route file adds canary versions
                 model = other.adjust_compute_model(model, context)
-            model = apply_tuning(model, context.root)  # the config search's choice, if recorded
-            built.extend(build_compute_model(model, context))
-            compute_models.append(model)
+            models.append(apply_tuning(model, context.root))  # the config search's choice, if recorded
+    return models
+
+
+def planned_shm(context: BuildContext, parts: list[Part]) -> dict[str, int]:
+    """``plan.shm_needs`` of the repository this context would build, from the descriptions and
+    source configs alone (nothing exported): how the committed /dev/shm sizes of docker-compose.yml
+    and deploy/k8s are checked for a target this machine does not build (gpu, Whisper large-v3)."""
+    from .plan import shm_needs
+
+    configs, bounds = {}, {}
+    for model in compute_models_of(context, parts):
+        for described in [model, *(variant_model(model, v.suffix) for v in model.latency_variants)]:
+            configs[described.name] = described.config(context.target, context.args.embedded_execution_providers)
+            bounds[described.name] = {"": model.max_sequence_length} if model.max_sequence_length else {}
+    for part in parts:
+        for name in part.python_models:
+            config = read_config(context.root / "python_models" / name / "config.pbtxt")
+            part.patch_config(config, context)
+            configs[name] = config
+            for variant in part.python_latency_variants.get(name, ()):
+                renamed = type(config)()
+                renamed.CopyFrom(config)
+                renamed.name = f"{name}_{variant.suffix}"
+                configs[renamed.name] = renamed
+    return shm_needs(configs, bounds)
+
+
+def build_repository(context: BuildContext, parts: list[Part]) -> list[str]:
+    started = time.monotonic()
+    context.output.mkdir(parents=True, exist_ok=True)
+    built: list[str] = []
+    compute_models = compute_models_of(context, parts)
+    for model in compute_models:
+        built.extend(build_compute_model(model, context))
     for part in parts:
         for name in part.python_models:
             build_python_model(name, part, context)
@@ -142,9 +174,16 @@ def build_repository(context: BuildContext, parts: list[Part]) -> list[str]:
             shutil.rmtree(stale)
     compile_model_files(context.output)
     rows = [row for part in parts for row in part.model_table(context)]
-    (context.output / ".built").write_text(json.dumps(
-        {"target": context.target, "models": built, "model_table": rows,
-         "compute_models": {model.name: compute_model_facts(model) for model in compute_models}}, indent=2))
+    stamp = {"target": context.target, "models": built, "model_table": rows,
+             "compute_models": {model.name: compute_model_facts(model) for model in compute_models}}
+    (context.output / ".built").write_text(json.dumps(stamp, indent=2))
+    # The stubs' /dev/shm, from what was just written (the planner reads configs and the stamp).
+    from .plan import Repository, gib, shm_size_text
+
+    stamp["shm_bytes"] = sum(Repository(context.output).shm_needs().values())
+    (context.output / ".built").write_text(json.dumps(stamp, indent=2))
     log(f"{context.target} repository at {context.output}: {len(built)} models "
-        f"in {time.monotonic() - started:.1f} s")
+        f"in {time.monotonic() - started:.1f} s; its Python-backend stubs may hold up to "
+        f"{gib(stamp['shm_bytes'])} GiB of /dev/shm at full batches (compose: TRITON_SHM_SIZE="
+        f"{shm_size_text(stamp['shm_bytes'])}; Kubernetes: the dshm volume's sizeLimit)")
     return built

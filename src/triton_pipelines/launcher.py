@@ -577,6 +577,24 @@ def _port(flag_value: int | None, env_name: str, default: int) -> int:
     return int(os.environ.get(env_name, default))
 
 
+def shm_shortfall(model_repository: Path, replicas: int = 1, shm: str = "/dev/shm") -> str | None:
+    """A warning when /dev/shm is smaller than what the repository's Python-backend stubs may hold
+    at full batches (the builder records it in ``.built``): past that, a request fails with the
+    stub unable to grow its region instead of being served."""
+    try:
+        needed = int(json.loads((model_repository / ".built").read_text()).get("shm_bytes", 0)) * replicas
+        stat = os.statvfs(shm)
+    except (OSError, ValueError):
+        return None
+    size = stat.f_blocks * stat.f_frsize
+    if needed <= size:
+        return None
+    return (f"WARNING: {shm} holds {size / 2**30:.1f} GiB; the Python-backend stubs may need up to "
+            f"{needed / 2**30:.1f} GiB at full batches ({replicas} replica(s); `python -m repo_builder plan --shm` "
+            f"itemizes it). Raise it: docker compose TRITON_SHM_SIZE, Kubernetes the dshm volume's sizeLimit, "
+            f"docker run --shm-size")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-repository", type=Path, default=Path("model_repository"))
@@ -632,6 +650,9 @@ def main(argv: list[str] | None = None) -> int:
         extra_args=args.extra_args,
     )
     server = Launcher(options)
+    shortfall = shm_shortfall(args.model_repository, args.replicas)
+    if shortfall:
+        server.log(shortfall)
     stopping, stopped = threading.Event(), threading.Event()
 
     def stop():

@@ -1,0 +1,61 @@
+"""/dev/shm sizes from the builder: what the Python-backend stubs may hold at full batches (their
+own inputs and outputs, and those of their BLS calls), computed from the descriptions and source
+configs for targets this machine does not build (gpu: Whisper large-v3), equal to the planner's
+figure for a built repository, and the committed docker-compose / Kubernetes sizes in step."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import yaml
+
+from repo_builder.__main__ import parse_context
+from repo_builder.plan import GiB, MiB, Repository, shm_size_text
+from repo_builder.repository import planned_shm
+from triton_pipelines.launcher import shm_shortfall
+
+from .conftest import PROJECT_ROOT, ensure_repository
+
+
+def planned(target: str) -> dict[str, int]:
+    return planned_shm(*parse_context(["--target", target, "--project-root", str(PROJECT_ROOT)]))
+
+
+def test_the_plan_from_descriptions_equals_the_built_repository():
+    built = Repository(ensure_repository())
+    assert planned(built.target) == built.shm_needs()
+    assert json.loads((built.path / ".built").read_text())["shm_bytes"] == sum(built.shm_needs().values())
+
+
+def test_whisper_decode_holds_its_bls_calls():
+    """gpu: no decoder cache, so every decoder step carries the cross K/V of one encoder call's
+    windows (8 x 32 layers x 2 x 20 heads x 1500 x 64 floats for large-v3) and the self-attention K/V
+    up to 448 positions: gigabytes, where the stub's own tensors are megabytes."""
+    gpu = planned("gpu")
+    cross = 8 * 32 * 2 * 20 * 1500 * 64 * 4
+    self_kv = 8 * 2 * (64 * 20 * 448 * 64 * 4)
+    assert gpu["whisper_decode"] >= 2 * cross + self_kv  # the encoder's outputs and the decoder's inputs
+    assert gpu["whisper_decode"] == gpu["whisper_decode_batch"]
+    assert gpu["text_tokenizer"] <= 64 * MiB
+    assert "whisper_decoder" not in gpu  # native backend on the gpu target: no stub
+
+
+def test_committed_sizes_hold_the_default_builds():
+    needs = {target: sum(planned(target).values()) for target in ("gpu", "embedded")}
+    compose = (PROJECT_ROOT / "docker-compose.yml").read_text()
+    (default,) = re.findall(r"shm_size: \$\{TRITON_SHM_SIZE:-(\d+)gb\}", compose)
+    assert default + "gb" == shm_size_text(max(needs.values())), \
+        f"docker-compose.yml's shm_size default should be {shm_size_text(max(needs.values()))} ({needs})"
+    documents = yaml.safe_load_all((PROJECT_ROOT / "deploy" / "k8s" / "deployment.yaml").read_text())
+    deployment = next(d for d in documents if d and d.get("kind") == "Deployment")
+    (dshm,) = [v for v in deployment["spec"]["template"]["spec"]["volumes"] if v["name"] == "dshm"]
+    assert dshm["emptyDir"]["sizeLimit"] == shm_size_text(needs["gpu"])[:-2] + "Gi"
+
+
+def test_the_launcher_warns_when_dev_shm_is_smaller(tmp_path):
+    (tmp_path / ".built").write_text(json.dumps({"shm_bytes": 64 * GiB}))
+    warning = shm_shortfall(tmp_path, replicas=2)
+    assert warning and "128.0 GiB" in warning and "TRITON_SHM_SIZE" in warning
+    (tmp_path / ".built").write_text(json.dumps({"shm_bytes": 1}))
+    assert shm_shortfall(tmp_path) is None
