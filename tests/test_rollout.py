@@ -223,3 +223,18 @@ def test_split_file_is_replaced_whole_and_keeps_other_models(tmp_path):
     stub.write_split({1: 0.0, 2: 100.0})
     assert json.loads(split.read_text()) == {"other_model": {"1": 100}, "text_encoder": {"2": 100.0}}
     assert not list(tmp_path.glob(".splits-*"))
+
+
+def test_a_rollout_refuses_a_launcher_with_several_replicas(tmp_path):
+    """Each replica is its own tritonserver: moving one would leave nginx's round robin serving a mix."""
+    from triton_pipelines.rollout import RolloutError, connect
+
+    (tmp_path / "control.key").write_text("key")
+    server = {"triton_http": "127.0.0.1:1", "triton_metrics": "127.0.0.1:2",
+              "replicas": [{"triton_http": "127.0.0.1:1"}, {"triton_http": "127.0.0.1:3"}]}
+    (tmp_path / "server.json").write_text(json.dumps(server))
+    with pytest.raises(RolloutError, match="2 replicas"):
+        connect(tmp_path)
+    server["replicas"] = server["replicas"][:1]
+    (tmp_path / "server.json").write_text(json.dumps(server))
+    assert connect(tmp_path)[1] == "http://127.0.0.1:2/metrics"
