@@ -77,7 +77,7 @@ BENCH_REPOSITORY := .bench/model_repository
 # A failed install does not stop the benchmark: the report says why Infinity did not run (.error).
 INFINITY_VENV := .bench/venvs/infinity
 $(INFINITY_VENV)/.installed: requirements-bench-infinity.txt
-	@rm -f $(INFINITY_VENV)/.error
+	@rm -f $(INFINITY_VENV)/.error; mkdir -p $(dir $(INFINITY_VENV))
 	@( $(PYTHON) -m venv $(INFINITY_VENV) && \
 	   $(INFINITY_VENV)/bin/python -m pip install --quiet torch==2.13.0 && \
 	   $(INFINITY_VENV)/bin/python -m pip install --quiet -r requirements-bench-infinity.txt ) \
