@@ -20,9 +20,10 @@ from PIL import Image
 from tritonclient.grpc import model_config_pb2 as mc
 
 from triton_pipelines.errors import InputError
+from triton_pipelines.scoring import softmax, top_k
 from triton_pipelines.vision import (
     IMAGENET_MEAN, IMAGENET_STD, Classifier, ImagePreprocessor, PreprocessConfig, center_crop_box,
-    decode_to_rgb, imagenet_labels, parse_top_k, preprocess_image, resized_size, softmax, top_k, transform,
+    decode_to_rgb, imagenet_labels, parse_top_k, preprocess_image, resized_size, transform,
 )
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""Model variants generated from the single compute-model description (issue 5).
+"""Model variants generated from the single compute-model description.
 
 Latency classes
     The compute model ``<name>`` is the ``realtime`` class: its description's own batching.
@@ -33,11 +33,11 @@ from typing import Callable
 
 from tritonclient.grpc import model_config_pb2 as mc
 
+from triton_pipelines.routing import STABLE_VERSION
+
 from .compute import ComputeModel, LatencyVariant
 from .files import hash_files, is_fresh, mark_fresh, read_config, write_config
 from .part import BuildContext
-
-STABLE_VERSION = 1
 
 
 def quantize_int8_dynamic(source: Path, target: Path) -> None:

@@ -53,26 +53,35 @@ def providers_for(names: Sequence[str], available: Sequence[str], cache_dir: Pat
     return chosen
 
 
+def onnx_session(model_path: Path | str, intra_op_threads: int = 0, execution_providers: Sequence[str] = ("cpu",),
+                 engine_cache_dir: Path | None = None, spin_wait: bool = True):
+    """An ONNX Runtime session as every model here runs one: ``intra_op_threads`` threads inside an
+    operator (0: ONNX Runtime's default), one between operators, the providers in preference order.
+
+    ``spin_wait=False``: ONNX Runtime's intra-op threads block as soon as a run's parallel work is
+    done instead of spinning for more (``session.intra_op.allow_spinning``). Spinning saves a
+    wake-up inside one run; in a server where other processes (Triton's stubs) need the same cores
+    right after the run, the spinning thread takes their CPU."""
+    import onnxruntime as ort
+
+    if any(name != "cpu" for name in execution_providers) and hasattr(ort, "preload_dlls"):
+        ort.preload_dlls()  # the CUDA/cuDNN libraries of the nvidia-* wheels
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = intra_op_threads
+    options.inter_op_num_threads = 1
+    if not spin_wait:
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    providers = providers_for(execution_providers, ort.get_available_providers(), engine_cache_dir)
+    return ort.InferenceSession(str(model_path), options, providers=providers)
+
+
 class OnnxBatchRunner:
     def __init__(self, model_path: Path | str, intra_op_threads: int = 0,
                  output_names: Sequence[str] | None = None, pad_ragged: bool = False,
                  execution_providers: Sequence[str] = ("cpu",), engine_cache_dir: Path | None = None,
                  spin_wait: bool = True):
-        """``spin_wait=False``: ONNX Runtime's intra-op threads block as soon as a run's parallel
-        work is done instead of spinning for more (``session.intra_op.allow_spinning``). Spinning
-        saves a wake-up inside one run; in a server where other processes (Triton's stubs) need
-        the same cores right after the run, the spinning thread takes their CPU."""
-        import onnxruntime as ort
-
-        if any(name != "cpu" for name in execution_providers) and hasattr(ort, "preload_dlls"):
-            ort.preload_dlls()  # the CUDA/cuDNN libraries of the nvidia-* wheels
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = intra_op_threads
-        options.inter_op_num_threads = 1
-        if not spin_wait:
-            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        providers = providers_for(execution_providers, ort.get_available_providers(), engine_cache_dir)
-        self.session = ort.InferenceSession(str(model_path), options, providers=providers)
+        """The session's options: ``onnx_session``."""
+        self.session = onnx_session(model_path, intra_op_threads, execution_providers, engine_cache_dir, spin_wait)
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.output_names = list(output_names or [o.name for o in self.session.get_outputs()])
         # Ragged batching (config: allow_ragged_batch on the inputs): requests of different

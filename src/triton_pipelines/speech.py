@@ -26,7 +26,8 @@ from typing import Sequence
 
 import numpy as np
 
-from .errors import InputError
+from .errors import InputError, decode_utf8
+from .onnx_runner import onnx_session
 
 SAMPLE_RATE = 16000
 N_FFT = 400
@@ -387,12 +388,7 @@ def text_values(raw: np.ndarray | None, count: int, input_name: str, default: st
         raise InputError(f"input '{input_name}' has {flat.size} elements for {count} audio items")
     values = []
     for index, item in enumerate(flat):
-        data = item if isinstance(item, bytes) else str(item).encode()
-        try:
-            text = data.decode("utf-8").strip().lower()
-        except UnicodeDecodeError:
-            raise InputError(f"input '{input_name}'[{index}] is not valid UTF-8") from None
-        values.append(text or default)
+        values.append(decode_utf8(item, f"input '{input_name}'[{index}]").strip().lower() or default)
     return values
 
 
@@ -447,13 +443,8 @@ class WhisperOnnx:
     Used by the tests (token equality with Triton) and by the benchmark's baseline."""
 
     def __init__(self, encoder_onnx: Path | str, decoder_onnx: Path | str, intra_op_threads: int = 0):
-        import onnxruntime as ort
-
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = intra_op_threads
-        options.inter_op_num_threads = 1
-        self.encoder = ort.InferenceSession(str(encoder_onnx), options, providers=["CPUExecutionProvider"])
-        self.decoder = ort.InferenceSession(str(decoder_onnx), options, providers=["CPUExecutionProvider"])
+        self.encoder = onnx_session(encoder_onnx, intra_op_threads)
+        self.decoder = onnx_session(decoder_onnx, intra_op_threads)
         self.shape = DecoderShape.from_sessions(self.encoder, self.decoder)
         self.cross_names = cross_names(self.shape.layers)
 
