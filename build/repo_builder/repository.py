@@ -27,9 +27,8 @@ from .tuning import apply_tuning
 from .variants import EnsembleVariants, build_extra_versions, build_latency_variants, build_python_latency_variants
 
 
-
-def onnx_runner(context: BuildContext) -> Path:
-    return context.root / "python_models" / "onnx_runtime_runner" / "model.py"
+# The embedded target's compute models: the model.py the builder copies into each version folder.
+ONNX_RUNNER_TEMPLATE = Path(__file__).parent / "templates" / "onnx_runtime_runner.py"
 
 
 def log(message: str) -> None:
@@ -53,7 +52,7 @@ def build_compute_model(model: ComputeModel, context: BuildContext) -> list[str]
     write_config(model_dir / "config.pbtxt", model.config(context.target, context.args.embedded_execution_providers))
     runner = onnx_dir / "model.py"
     if context.target == "embedded":
-        shutil.copy2(onnx_runner(context), runner)
+        shutil.copy2(ONNX_RUNNER_TEMPLATE, runner)
     elif runner.exists():
         runner.unlink()
     # gpu + tensorrt_plan: the trtexec flags for docker/build_trt_engines.sh, which writes model.plan.
@@ -62,8 +61,8 @@ def build_compute_model(model: ComputeModel, context: BuildContext) -> list[str]
         trtexec_args.write_text("\n".join(model.trtexec_args()) + "\n")
     elif trtexec_args.exists():
         trtexec_args.unlink()
-    build_extra_versions(model, context, onnx_runner(context), log)
-    return [model.name] + build_latency_variants(model, context, onnx_runner(context))
+    build_extra_versions(model, context, ONNX_RUNNER_TEMPLATE, log)
+    return [model.name] + build_latency_variants(model, context, ONNX_RUNNER_TEMPLATE)
 
 
 def compile_model_files(output: Path) -> None:

@@ -208,3 +208,71 @@ def parse_rows(text: str) -> list[int]:
         return [int(value) for value in text.split(",") if value.strip()]
     except ValueError:
         raise InputError(f"input cache rows must be comma-separated integers, got {text!r}") from None
+
+
+class EmbeddedComputeModel:
+    """A compute model as the embedded target serves it (the builder's ``onnx_runtime_runner``
+    template is a thin adapter over this): the ONNX file in ONNX Runtime, with the name, tensors
+    and batching of the native ``onnxruntime_onnx`` model.
+
+    Config parameter ``cached_inputs`` (comma-separated, optional): inputs a BLS caller may send once
+    with the request parameter ``input_cache_key`` and then omit, naming the key (and, with
+    ``input_cache_rows``, the rows still wanted); ``input_cache_entries`` (default 8) bounds the keys
+    kept. See ``InputCache``."""
+
+    def __init__(self, name: str, runner: OnnxBatchRunner, input_names: Sequence[str],
+                 cache: InputCache | None = None):
+        self.name = name
+        self.runner = runner
+        self.input_names = list(input_names)
+        self.cache = cache
+
+    @classmethod
+    def from_config(cls, name: str, config: Mapping, parameters: Mapping[str, str], version_dir: Path
+                    ) -> "EmbeddedComputeModel":
+        """From the model's config (as JSON), its parameters and its version folder."""
+        runner = OnnxBatchRunner(
+            version_dir / parameters.get("onnx_file", "model.onnx"),
+            intra_op_threads=int(parameters.get("intra_op_threads", "0")),
+            output_names=[o["name"] for o in config["output"]],
+            pad_ragged=any(i.get("allow_ragged_batch", False) for i in config["input"]),
+            execution_providers=parameters.get("execution_providers", "cpu").split(","),
+            engine_cache_dir=engine_cache_dir(name),
+            spin_wait=parameters.get("intra_op_spin_wait", "true") == "true",
+        )
+        cached = [input_name for input_name in parameters.get("cached_inputs", "").split(",") if input_name]
+        cache = InputCache(cached, int(parameters.get("input_cache_entries", "8"))) if cached else None
+        return cls(name, runner, [i["name"] for i in config["input"]], cache)
+
+    def feeds(self, given: Mapping[str, np.ndarray], parameters: Mapping) -> tuple[dict[str, np.ndarray], str | None]:
+        """One request's inputs (``given``: those it carries) and request parameters → (input name →
+        array, its input cache key or None). InputError for missing inputs or a bad cache use."""
+        feeds = dict(given)
+        key = parameters.get("input_cache_key")
+        if key is None or self.cache is None:
+            missing = [name for name in self.input_names if name not in feeds]
+            if missing:
+                raise InputError(f"{self.name}: missing inputs {missing}"
+                                 + (" (or an input_cache_key naming them)" if self.cache is not None else ""))
+            return feeds, None
+        rows = parameters.get("input_cache_rows")
+        feeds.update(self.cache.resolve(str(key), feeds, None if rows is None else parse_rows(str(rows))))
+        return feeds, str(key)
+
+    def run(self, requests: Sequence[tuple[Mapping[str, np.ndarray], str | None]]
+            ) -> list[dict[str, np.ndarray] | Exception]:
+        """``feeds`` results of one execute → per request its outputs, or the error that fails it.
+        Requests without a cache key run as one batch; one with a key runs alone (its cached tensors
+        are its caller's own: copying them into a batch would cost what the cache saves). An ONNX
+        Runtime failure fails the requests of that run only."""
+        plain = [index for index, (_, key) in enumerate(requests) if key is None]
+        keyed = [[index] for index, (_, key) in enumerate(requests) if key is not None]
+        results: list = [None] * len(requests)
+        for group in ([plain] if plain else []) + keyed:
+            try:
+                outputs = self.runner.run([requests[index][0] for index in group])
+            except Exception as error:  # fails these requests, not the server
+                outputs = [RuntimeError(f"{self.name}: ONNX Runtime failed: {error}")] * len(group)
+            for index, output in zip(group, outputs):
+                results[index] = output
+        return results

@@ -135,6 +135,11 @@ class IntentPrototypes:
         best = probabilities.argmax(axis=1)
         return [self.labels[i] for i in best], probabilities[np.arange(len(best)), best]
 
+    def outputs(self, embeddings: np.ndarray) -> dict[str, np.ndarray]:
+        """The ``intent_classifier`` outputs: ``label`` (BYTES) and ``score``, both ``[batch, 1]``."""
+        labels, scores = self.classify(embeddings)
+        return {"label": np.array(labels, dtype=np.object_).reshape(-1, 1), "score": scores.reshape(-1, 1)}
+
 
 def load_intent_examples(path: Path) -> tuple[dict[str, list[str]], float]:
     """Read ``data/intents.yaml``: ``{temperature: float, intents: {label: [phrases]}}``."""
