@@ -17,7 +17,7 @@ from .part import BuildContext, Part
 INTENTS_FILE = Path("data") / "intents.yaml"  # in the project
 TOKENIZER_CONFIG = Path("python_models") / "text_tokenizer" / "config.pbtxt"  # in the project
 MAX_BATCH_SIZE = 64
-# Tensors whose last dimension is the encoder's hidden size, written as 384 in the sources.
+# Tensors whose last dimension is the encoder's hidden size: -1 in the sources, written here.
 EMBEDDING_TENSORS = {"last_hidden_state", "embedding"}
 
 
