@@ -19,13 +19,13 @@ def test_readme_starts_with_the_two_commands_and_they_are_make_targets():
 
 
 def test_every_compute_model_is_in_the_readme_model_table():
-    context, parts = parse_context(["--with-bert-base"])
-    for part in parts:
-        for model in part.compute_models(context):
+    context, pipelines = parse_context(["--with-bert-base"])
+    for pipeline in pipelines:
+        for model in pipeline.compute_models(context):
             assert f"| `{model.name}`" in README, model.name
-        for name in part.python_models:
+        for name in pipeline.python_models:
             assert f"`{name}`" in README, name
-        for name in part.ensembles:
+        for name in pipeline.ensembles:
             assert f"`{name}`" in README, name
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import soundfile
 
-from repo_builder.speech_part import whisper_assets_dir
+from repo_builder.speech_pipeline import whisper_assets_dir
 from triton_pipelines.errors import InputError, UpstreamError
 from triton_pipelines.onnx_runner import InputCache
 from triton_pipelines.speech import (
@@ -398,13 +398,13 @@ def test_gpu_target_defaults_to_large_v3_configs_without_exporting():
 
     from tritonclient.grpc import model_config_pb2 as mc
 
-    from repo_builder.part import BuildContext
-    from repo_builder.speech_part import SpeechPart
+    from repo_builder.pipeline import BuildContext
+    from repo_builder.speech_pipeline import SpeechPipeline
 
-    part = SpeechPart()
+    pipeline = SpeechPipeline()
     args = argparse.Namespace(whisper_size=None, whisper_checkpoint=None)
     gpu = BuildContext(target="gpu", output=Path("/nonexistent"), args=args, root=Path.cwd())
-    encoder, decoder = part.compute_models(gpu)
+    encoder, decoder = pipeline.compute_models(gpu)
     encoder_config, decoder_config = encoder.config("gpu"), decoder.config("gpu")
     assert encoder_config.platform == decoder_config.platform == "onnxruntime_onnx"
     assert decoder_config.instance_group[0].kind == mc.ModelInstanceGroup.KIND_GPU
@@ -414,7 +414,7 @@ def test_gpu_target_defaults_to_large_v3_configs_without_exporting():
     assert list(decoder_config.input[1].dims) == [64, 20, -1, 64] and len(decoder_config.input) == 66
     assert list(decoder_config.output[0].dims) == [51866]
     embedded = BuildContext(target="embedded", output=Path("/nonexistent"), args=args, root=Path.cwd())
-    base_encoder, base_decoder = part.compute_models(embedded)  # the default: real Whisper base
+    base_encoder, base_decoder = pipeline.compute_models(embedded)  # the default: real Whisper base
     assert base_encoder.config("embedded").backend == "python"
     # one description: same tensors on both targets; on the embedded target the cross K/V are
     # also optional (a BLS caller may name the runner's cached copy instead)
@@ -425,12 +425,12 @@ def test_gpu_target_defaults_to_large_v3_configs_without_exporting():
     assert [t.name for t in embedded_inputs if t.optional] == cross_names(6)
     assert not any(t.optional for t in gpu_inputs)
     assert base_decoder.config("embedded").parameters["cached_inputs"].string_value == ",".join(cross_names(6))
-    assert part.model_table(gpu)[0]["architecture"].startswith("Whisper large-v3")
-    assert "random" in part.model_table(gpu)[0]["weights"]
-    assert part.model_table(embedded)[0]["architecture"].startswith("Whisper base")
-    assert part.model_table(embedded)[0]["weights"].startswith("OpenAI Whisper base")
+    assert pipeline.model_table(gpu)[0]["architecture"].startswith("Whisper large-v3")
+    assert "random" in pipeline.model_table(gpu)[0]["weights"]
+    assert pipeline.model_table(embedded)[0]["architecture"].startswith("Whisper base")
+    assert pipeline.model_table(embedded)[0]["weights"].startswith("OpenAI Whisper base")
     # an explicit size: that architecture with random weights (fast tests)
     tiny = BuildContext(target="embedded", output=Path("/nonexistent"),
                         args=argparse.Namespace(whisper_size="tiny", whisper_checkpoint=None), root=Path.cwd())
-    assert part.compute_models(tiny)[1].source_key != base_decoder.source_key
-    assert list(part.compute_models(tiny)[1].config("embedded").input[1].dims) == [8, 6, -1, 64]
+    assert pipeline.compute_models(tiny)[1].source_key != base_decoder.source_key
+    assert list(pipeline.compute_models(tiny)[1].config("embedded").input[1].dims) == [8, 6, -1, 64]

@@ -342,13 +342,13 @@ def test_trtexec_args_cover_batch_1_to_max():
         "--maxShapes=pixel_values:32x3x224x224"]
 
 
-def test_vision_part_flag_selects_the_gpu_backend(tmp_path):
+def test_vision_pipeline_flag_selects_the_gpu_backend(tmp_path):
     from repo_builder.__main__ import parse_context
 
     for backend in ("onnxruntime_onnx", "onnxruntime_trt", "tensorrt_plan"):
-        context, parts = parse_context(["--target", "gpu", "--output", str(tmp_path), "--parts", "vision",
-                                        "--resnet50-gpu-backend", backend])
-        (model,) = [m for part in parts for m in part.compute_models(context)]
+        context, pipelines = parse_context(["--target", "gpu", "--output", str(tmp_path), "--pipelines", "vision",
+                                            "--resnet50-gpu-backend", backend])
+        (model,) = [m for pipeline in pipelines for m in pipeline.compute_models(context)]
         assert model.gpu_backend == backend
         config = model.config("gpu")
         assert config.platform == ("tensorrt_plan" if backend == "tensorrt_plan" else "onnxruntime_onnx")

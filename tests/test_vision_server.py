@@ -74,7 +74,7 @@ class Reference:
 def reference(triton_server) -> Reference:
     repository = Path(triton_server.options.model_repository)
     if not (repository / "resnet50" / "1" / "model.onnx").exists():
-        pytest.fail(f"{repository} has no vision models: build it with --parts ...,vision")
+        pytest.fail(f"{repository} has no vision models: build it with --pipelines ...,vision")
     return Reference(repository)
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from .compute import ComputeModel
 from .files import is_fresh, mark_fresh, read_config, replace_dir, write_config
-from .part import BuildContext, Part
+from .pipeline import BuildContext, Pipeline
 from .tuning import apply_tuning
 from .variants import EnsembleVariants, build_extra_versions, build_latency_variants, build_python_latency_variants
 
@@ -38,8 +38,10 @@ def log(message: str) -> None:
 def build_compute_model(model: ComputeModel, context: BuildContext) -> list[str]:
     """The model (and its canary versions), then its latency-class variants; returns their names."""
     model_dir = context.output / model.name
-    # The exporter's whole module is hashed: a change to export code re-exports its models.
-    exporter_source = Path(inspect.getsourcefile(model.export_onnx)).read_text()
+    # The exporter's whole module (repo_builder.export.*) is hashed: a change to export code
+    # re-exports its models. export_onnx is the export function, or a functools.partial of it.
+    exporter = getattr(model.export_onnx, "func", model.export_onnx)
+    exporter_source = Path(inspect.getsourcefile(exporter)).read_text()
     key = model.content_hash(version("torch"), version("transformers"), exporter_source)
     onnx_dir = model_dir / "1"
     if not is_fresh(model_dir, key):
@@ -90,57 +92,58 @@ def _export(model: ComputeModel, model_dir: Path) -> None:
     model.export_onnx(model_dir / "1" / "model.onnx")
 
 
-def build_python_model(name: str, part: Part, context: BuildContext) -> None:
+def build_python_model(name: str, pipeline: Pipeline, context: BuildContext) -> None:
     source = context.root / "python_models" / name
     model_dir = context.output / name
     version_dir = model_dir / "1"
     version_dir.mkdir(parents=True, exist_ok=True)
     config = read_config(source / "config.pbtxt")
-    part.patch_config(config, context)
+    pipeline.patch_config(config, context)
     write_config(model_dir / "config.pbtxt", config)
     shutil.copy2(source / "model.py", version_dir / "model.py")
-    part.write_assets(name, version_dir, context)
+    pipeline.write_assets(name, version_dir, context)
 
 
-def build_ensemble(name: str, part: Part, context: BuildContext) -> None:
+def build_ensemble(name: str, pipeline: Pipeline, context: BuildContext) -> None:
     model_dir = context.output / name
     config = read_config(context.root / "ensembles" / name / "config.pbtxt")
-    part.patch_config(config, context)
+    pipeline.patch_config(config, context)
     write_config(model_dir / "config.pbtxt", config)
     (model_dir / "1").mkdir(exist_ok=True)  # Triton needs a version folder, even an empty one
 
 
-def build_repository(context: BuildContext, parts: list[Part]) -> list[str]:
+def build_repository(context: BuildContext, pipelines: list[Pipeline]) -> list[str]:
     started = time.monotonic()
     context.output.mkdir(parents=True, exist_ok=True)
     built: list[str] = []
     compute_models: list[ComputeModel] = []
-    for part in parts:
-        for model in part.compute_models(context):
-            for other in parts:  # e.g. the router's route file adds canary versions
+    for pipeline in pipelines:
+        for model in pipeline.compute_models(context):
+            for other in pipelines:  # e.g. the router's route file adds canary versions
                 model = other.adjust_compute_model(model, context)
             model = apply_tuning(model, context.root)  # the config search's choice, if recorded
             built.extend(build_compute_model(model, context))
             compute_models.append(model)
-    for part in parts:
-        for name in part.python_models:
-            build_python_model(name, part, context)
+    for pipeline in pipelines:
+        for name in pipeline.python_models:
+            build_python_model(name, pipeline, context)
             built.append(name)
-        for name in part.ensembles:
-            build_ensemble(name, part, context)
+        for name in pipeline.ensembles:
+            build_ensemble(name, pipeline, context)
             built.append(name)
-    python_variants = {name: variants for part in parts for name, variants in part.python_latency_variants.items()}
+    python_variants = {name: variants for pipeline in pipelines
+                       for name, variants in pipeline.python_latency_variants.items()}
     for name, variants in python_variants.items():
         built.extend(build_python_latency_variants(name, variants, context))
     # Latency-class and canary variants of the ensembles (see variants.py).
-    built.extend(EnsembleVariants(context, compute_models, [n for p in parts for n in p.ensembles],
+    built.extend(EnsembleVariants(context, compute_models, [n for p in pipelines for n in p.ensembles],
                                   python_variants).build())
     for stale in sorted(p for p in context.output.iterdir() if p.is_dir() and p.name not in built):
         if (stale / "config.pbtxt").exists():
             log(f"removing {stale.name}: no longer built")
             shutil.rmtree(stale)
     compile_model_files(context.output)
-    rows = [row for part in parts for row in part.model_table(context)]
+    rows = [row for pipeline in pipelines for row in pipeline.model_table(context)]
     (context.output / ".built").write_text(json.dumps(
         {"target": context.target, "models": built, "model_table": rows,
          "compute_models": {model.name: compute_model_facts(model) for model in compute_models}}, indent=2))

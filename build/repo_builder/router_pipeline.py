@@ -11,7 +11,7 @@ from pathlib import Path
 from triton_pipelines.routing import RouteTable
 
 from .compute import ComputeModel
-from .part import BuildContext, Part
+from .pipeline import BuildContext, Pipeline
 
 ROUTES_FILE = Path("data") / "routes.yaml"  # in the project
 
@@ -21,7 +21,7 @@ def canary_versions(routes_file: Path) -> dict[str, tuple[tuple[int, str], ...]]
     return {name: tuple(sorted(canary.builds.items())) for name, canary in RouteTable.load(routes_file).canaries.items()}
 
 
-class RouterPart(Part):
+class RouterPipeline(Pipeline):
     python_models = ("router",)
 
     def adjust_compute_model(self, model: ComputeModel, context: BuildContext) -> ComputeModel:
