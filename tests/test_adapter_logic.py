@@ -213,3 +213,12 @@ def test_whisper_decode_adapter_gives_the_in_process_tokens_across_decoder_insta
     tokens = [t for t in served["token_ids"][0].tolist() if t >= 0]
     assert tokens == [t for window in expected for t in window] and len(tokens) > 3
     assert served["transcript"][0, 0].decode().startswith("Hello")
+
+
+def test_only_the_stub_package_imports_triton():
+    """The package docstring's promise: outside ``triton_pipelines.stub`` nothing imports Triton's
+    stub module, so all of it runs (and is tested) without a server."""
+    package = ROOT / "src" / "triton_pipelines"
+    importers = sorted(str(path.relative_to(package)) for path in package.rglob("*.py")
+                       if "import triton_python_backend_utils" in path.read_text())
+    assert importers and all(name.startswith("stub/") for name in importers), importers

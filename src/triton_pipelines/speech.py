@@ -445,10 +445,8 @@ def text_values(raw: np.ndarray | None, count: int, input_name: str, default: st
     flat = raw.reshape(-1)
     if flat.size != count:
         raise InputError(f"input '{input_name}' has {flat.size} elements for {count} audio items")
-    values = []
-    for index, item in enumerate(flat):
-        values.append(decode_utf8(item, f"input '{input_name}'[{index}]").strip().lower() or default)
-    return values
+    return [decode_utf8(item, f"input '{input_name}'[{index}]").strip().lower() or default
+            for index, item in enumerate(flat)]
 
 
 @dataclass
