@@ -1,4 +1,4 @@
-"""The router (issue 5): latency classes at the same load (p99 for realtime, throughput for
+"""The router: latency classes at the same load (p99 for realtime, throughput for
 batch), the router's own overhead over calling the ensemble directly, and how many gateway calls
 it serves at once (a local fake gateway answering after a fixed delay)."""
 
@@ -114,7 +114,7 @@ def run(server) -> str:
     finally:
         split.unlink(missing_ok=True)
     gateway = gateway_concurrency(repository)
-    return f"""## Router (issue 5)
+    return f"""## Router
 
 ### Latency classes at the same load ({LOAD} concurrent requests, gRPC, perf_analyzer)
 

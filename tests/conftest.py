@@ -3,7 +3,7 @@ for both protocols.
 
 The repository is the one `make repository` builds (`make test` builds it first); if it is missing
 the fixture builds it. `TEST_MODEL_REPOSITORY=DIR` points the tests at another built repository
-(e.g. one built with `--parts text`). `TEST_SERVER_STATE=DIR` attaches the tests to a launcher that
+(e.g. one built with `--pipelines text`). `TEST_SERVER_STATE=DIR` attaches the tests to a launcher that
 is already running (its state folder), e.g. the Python 3.10 rehearsal of the container
 (tests/test_images.py). Server logs go to `.cache/test-server.log`.
 """

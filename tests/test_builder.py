@@ -9,7 +9,7 @@ import pytest
 
 from repo_builder.__main__ import main as build
 from repo_builder.files import read_config
-from repo_builder.text_part import minilm_dir
+from repo_builder.text_pipeline import minilm_dir
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +29,7 @@ def tiny_checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def built(tiny_checkpoint, tmp_path_factory):
     output = tmp_path_factory.mktemp("repo")
-    build(["--parts", "text", "--output", str(output), "--text-encoder-checkpoint", str(tiny_checkpoint)])
+    build(["--pipelines", "text", "--output", str(output), "--text-encoder-checkpoint", str(tiny_checkpoint)])
     return output
 
 
@@ -56,7 +56,7 @@ def test_local_checkpoint_sets_the_encoder_and_the_embedding_width(built, tiny_c
 def test_rebuild_with_nothing_changed_exports_nothing(built, tiny_checkpoint, capsys):
     onnx = built / "text_encoder" / "1" / "model.onnx"
     before = onnx.stat().st_mtime_ns
-    build(["--parts", "text", "--output", str(built), "--text-encoder-checkpoint", str(tiny_checkpoint)])
+    build(["--pipelines", "text", "--output", str(built), "--text-encoder-checkpoint", str(tiny_checkpoint)])
     assert onnx.stat().st_mtime_ns == before
     assert "text_encoder: up to date" in capsys.readouterr().out
 
@@ -64,7 +64,7 @@ def test_rebuild_with_nothing_changed_exports_nothing(built, tiny_checkpoint, ca
 def test_gpu_target_rewrites_only_configs(built, tiny_checkpoint):
     onnx = built / "text_encoder" / "1" / "model.onnx"
     before = onnx.stat().st_mtime_ns
-    build(["--target", "gpu", "--parts", "text", "--output", str(built),
+    build(["--target", "gpu", "--pipelines", "text", "--output", str(built),
            "--text-encoder-checkpoint", str(tiny_checkpoint)])
     config = read_config(built / "text_encoder" / "config.pbtxt")
     assert config.platform == "onnxruntime_onnx" and not config.backend

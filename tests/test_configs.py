@@ -32,10 +32,53 @@ def test_source_config_parses_and_is_named_after_its_folder(path):
     assert config.backend == "python" or config.platform == "ensemble"
 
 
+SENTINEL_DIM, SENTINEL_VALUE = 7777, "<from the source>"
+
+
+def written_by_builder(source: mc.ModelConfig, pipeline, context) -> set[tuple[str, str, int]]:
+    """What the builder writes into a hand-written config: patch a copy whose every dim and
+    parameter holds a sentinel and see what changed. ("parameter", key, 0) or ("dims", tensor, index)."""
+    probe = mc.ModelConfig()
+    probe.CopyFrom(source)
+    for tensor in [*probe.input, *probe.output]:
+        count = len(tensor.dims)
+        del tensor.dims[:]
+        tensor.dims.extend([SENTINEL_DIM] * count)
+    for key in probe.parameters:
+        probe.parameters[key].string_value = SENTINEL_VALUE
+    pipeline.patch_config(probe, context)
+    written = {("parameter", key, 0) for key, value in probe.parameters.items() if value.string_value != SENTINEL_VALUE}
+    return written | {("dims", tensor.name, index) for tensor in [*probe.input, *probe.output]
+                      for index, dim in enumerate(tensor.dims) if dim != SENTINEL_DIM}
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_source_configs_hold_no_value_the_builder_writes(target):
+    """Editing a value the builder overwrites would do nothing: such parameters are absent from the
+    sources, such dims are -1 on a line marked "# builder" (the comment at the top says what)."""
+    context, pipelines = parse_context(["--target", target])
+    owners = {name: pipeline for pipeline in pipelines for name in (*pipeline.python_models, *pipeline.ensembles)}
+    assert set(owners) == {path.parent.name for path in SOURCE_CONFIGS}
+    found = set()
+    for path in SOURCE_CONFIGS:
+        source = parse(path.read_text())
+        tensors = {tensor.name: tensor for tensor in [*source.input, *source.output]}
+        for kind, name, index in written_by_builder(source, owners[source.name], context):
+            found.add((source.name, name))
+            if kind == "parameter":
+                assert name not in source.parameters, f"{path}: parameter {name} is written by the builder: remove it"
+                continue
+            assert tensors[name].dims[index] == -1, f"{path}: {name} dim {index} is written by the builder: make it -1"
+            line = next(line for line in path.read_text().splitlines() if f'name: "{name}"' in line)
+            assert "# builder" in line, f"{path}: mark the line of {name} with '# builder'"
+    assert {("whisper_decode", "vocab_size"), ("whisper_decode", "input_features"),
+            ("embedding_pooler", "embedding"), ("audio_features", "n_mels")} <= found
+
+
 @pytest.mark.parametrize("target", TARGETS)
 def test_generated_compute_configs_parse_for_every_target(target):
-    context, parts = parse_context(["--target", target])
-    models = [m for part in parts for m in part.compute_models(context)]
+    context, pipelines = parse_context(["--target", target])
+    models = [m for pipeline in pipelines for m in pipeline.compute_models(context)]
     assert models, "no compute models"
     for model in models:
         config = model.config(target)

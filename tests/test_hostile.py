@@ -243,8 +243,8 @@ def test_router_passes_the_pipelines_input_errors_on_as_400(triton_server, clien
 
 # ------------------------------------------------------------------------------------ budgets
 def test_audio_that_would_decode_to_too_many_samples_is_refused_from_its_header(triton_server, client):
-    """8 channels at 192 kHz: a small FLAC of silence that would decode to ~31 M samples (the
-    issue's 299 s example: 459 M). Refused before decoding, in well under a second of work."""
+    """8 channels at 192 kHz: a small FLAC of silence that would decode to ~31 M samples (299 s of
+    it: 459 M). Refused before decoding, in well under a second of work."""
     import soundfile
 
     buffer = io.BytesIO()

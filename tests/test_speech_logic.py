@@ -9,18 +9,23 @@ import numpy as np
 import pytest
 import soundfile
 
-from repo_builder.speech_part import whisper_assets_dir
-from triton_pipelines.errors import InputError
+from repo_builder.speech_pipeline import whisper_assets_dir
+from triton_pipelines.errors import InputError, UpstreamError
+from triton_pipelines.onnx_runner import InputCache
 from triton_pipelines.speech import (
     MAX_TARGET_POSITIONS,
     SAMPLE_RATE,
     SEAM_QUIET_SECONDS,
     SEAM_SEARCH_SECONDS,
     WINDOW_SAMPLES,
+    DecodeJob,
     GreedyBatch,
+    GreedyDecoder,
     WhisperTokenizer,
     cross_names,
     decode_audio,
+    decode_group_size,
+    decode_jobs,
     group_windows,
     join_transcript,
     load_mel_filters,
@@ -29,6 +34,7 @@ from triton_pipelines.speech import (
     plan_request,
     split_windows,
     suppress_mask,
+    transcript_outputs,
 )
 
 DATA = Path(__file__).resolve().parent / "data"
@@ -275,6 +281,115 @@ def test_group_windows():
     assert group_windows([[1], [2], [3]], [2, 1]) == [[[1], [2]], [[3]]]
 
 
+# --- the greedy loop shared by whisper_decode and the in-process reference -----------------------
+
+VOCAB = 51865
+SCRIPTS = {0: [1011, 1012, 1013], 1: [1021], 2: [1031, 1032, 1033, 1034, 1035], 3: [1041]}  # then eot
+
+
+class ScriptedDecoder:
+    """A stand-in decoder step: row r's window is the value of its cross K/V; the position comes
+    from the self-attention cache's length. With ``cache`` it keeps the cross K/V as the embedded
+    runner does (``InputCache``); ``forget_at``: the step at which it loses them (another instance)."""
+
+    def __init__(self, eot, cache=False, forget_at=None):
+        self.eot, self.calls, self.forget_at = eot, [], forget_at
+        self.cache = InputCache(cross_names(1)) if cache else None
+
+    def __call__(self, input_ids, past, cross, parameters):
+        self.calls.append((len(input_ids), sorted(cross), dict(parameters)))
+        if self.cache is not None:
+            if len(self.calls) == self.forget_at:
+                self.cache = InputCache(cross_names(1))
+            rows = parameters.get("input_cache_rows")
+            try:
+                cross = self.cache.resolve(parameters["input_cache_key"], cross,
+                                           [int(r) for r in rows.split(",")] if rows else None)
+            except InputError as error:
+                raise UpstreamError(f"whisper_decoder failed: {error}") from None
+        present = np.concatenate([past, np.zeros((*past.shape[:3], input_ids.shape[1], past.shape[4]),
+                                                 np.float32)], axis=3)
+        position = present.shape[3] - 4
+        windows = cross["cross_key_0"][:, 0, 0, 0].astype(int)
+        tokens = [SCRIPTS[w][position] if position < len(SCRIPTS[w]) else self.eot for w in windows]
+        return logits_for(tokens, VOCAB), present
+
+
+def decode_scripted(tokenizer, step, compact=True, **options):
+    windows = np.arange(len(SCRIPTS), dtype=np.float32)
+    cross = {name: np.broadcast_to(windows[:, None, None, None], (len(windows), 2, 3, 5)).copy()
+             for name in cross_names(1)}
+    decoder = GreedyDecoder(tokenizer, VOCAB, step, **options)
+    return decoder.decode(np.array([tokenizer.prompt()] * len(windows)), 4, cross, heads=2, head_dim=5,
+                          compact=compact)
+
+
+EXPECTED = [[1011, 1012, 1013], [1021], [1031, 1032, 1033, 1034], [1041]]  # window 2 stops at its bound of 4
+
+
+def test_greedy_decoder_sends_only_the_running_windows(tokenizer):
+    step = ScriptedDecoder(tokenizer.eot)
+    assert decode_scripted(tokenizer, step) == EXPECTED
+    assert [rows for rows, _, _ in step.calls] == [4, 4, 2, 2]
+    assert all(names == cross_names(1) and parameters == {} for _, names, parameters in step.calls)
+
+
+def test_greedy_decoder_without_compaction_keeps_every_row(tokenizer):
+    step = ScriptedDecoder(tokenizer.eot)
+    assert decode_scripted(tokenizer, step, compact=False) == EXPECTED
+    assert {rows for rows, _, _ in step.calls} == {4}
+
+
+def test_greedy_decoder_sends_the_cross_kv_once_to_a_caching_decoder(tokenizer):
+    step = ScriptedDecoder(tokenizer.eot, cache=True)
+    assert decode_scripted(tokenizer, step, cache_key="me") == EXPECTED
+    assert step.calls[0][1] == cross_names(1) and all(names == [] for _, names, _ in step.calls[1:])
+    assert [parameters["input_cache_rows"] for _, _, parameters in step.calls] == ["0,1,2,3", "0,1,2,3", "0,2", "0,2"]
+    assert {parameters["input_cache_key"] for _, _, parameters in step.calls} == {"me"}
+
+
+def test_greedy_decoder_resends_the_running_windows_to_a_decoder_without_them(tokenizer):
+    step = ScriptedDecoder(tokenizer.eot, cache=True, forget_at=3)
+    assert decode_scripted(tokenizer, step, cache_key="me") == EXPECTED
+    assert [(rows, names) for rows, names, _ in step.calls[2:4]] == [(2, []), (2, cross_names(1))]
+
+
+def test_greedy_decoder_passes_on_other_decoder_failures(tokenizer):
+    def broken(*_):
+        raise UpstreamError("whisper_decoder failed: boom")
+
+    with pytest.raises(UpstreamError, match="boom"):
+        decode_scripted(tokenizer, broken, cache_key="me")
+
+
+def test_decode_jobs_decodes_in_groups_and_regroups_per_item():
+    jobs = [DecodeJob(np.arange(3, dtype=np.float32)[:, None, None], np.zeros((3, 4), np.int64),
+                      np.full(3, 5), [2, 1]),
+            DecodeJob(np.arange(3, 5, dtype=np.float32)[:, None, None], np.zeros((2, 4), np.int64),
+                      np.full(2, 5), [2])]
+    groups = []
+
+    def decode_group(features, prompts, bounds):
+        groups.append(features[:, 0, 0].tolist())
+        return [[int(f)] for f in features[:, 0, 0]]
+
+    assert decode_jobs(jobs, 2, decode_group) == [[[[0], [1]], [[2]]], [[[3], [4]]]]
+    assert groups == [[0, 1], [2, 3], [4]]
+
+
+def test_decode_group_size():
+    assert decode_group_size(64, 8, decoder_caches_cross=True) == 64
+    assert decode_group_size(64, 8, decoder_caches_cross=False) == 8
+
+
+def test_transcript_outputs(tokenizer):
+    hello, world = tokenizer.encode(" Hello"), tokenizer.encode(" world")
+    outputs = transcript_outputs(tokenizer, [[hello, world], [[]]])
+    assert outputs["transcript"].tolist() == [[b"Hello world"], [b""]]
+    assert outputs["token_ids"].dtype == np.int32
+    assert outputs["token_ids"].tolist() == [hello + world, [-1] * len(hello + world)]
+
+
 # --- builder: both targets from one description (large-v3 is described, never exported here) -----
 
 
@@ -283,13 +398,13 @@ def test_gpu_target_defaults_to_large_v3_configs_without_exporting():
 
     from tritonclient.grpc import model_config_pb2 as mc
 
-    from repo_builder.part import BuildContext
-    from repo_builder.speech_part import SpeechPart
+    from repo_builder.pipeline import BuildContext
+    from repo_builder.speech_pipeline import SpeechPipeline
 
-    part = SpeechPart()
+    pipeline = SpeechPipeline()
     args = argparse.Namespace(whisper_size=None, whisper_checkpoint=None)
     gpu = BuildContext(target="gpu", output=Path("/nonexistent"), args=args, root=Path.cwd())
-    encoder, decoder = part.compute_models(gpu)
+    encoder, decoder = pipeline.compute_models(gpu)
     encoder_config, decoder_config = encoder.config("gpu"), decoder.config("gpu")
     assert encoder_config.platform == decoder_config.platform == "onnxruntime_onnx"
     assert decoder_config.instance_group[0].kind == mc.ModelInstanceGroup.KIND_GPU
@@ -299,7 +414,7 @@ def test_gpu_target_defaults_to_large_v3_configs_without_exporting():
     assert list(decoder_config.input[1].dims) == [64, 20, -1, 64] and len(decoder_config.input) == 66
     assert list(decoder_config.output[0].dims) == [51866]
     embedded = BuildContext(target="embedded", output=Path("/nonexistent"), args=args, root=Path.cwd())
-    base_encoder, base_decoder = part.compute_models(embedded)  # the default: real Whisper base
+    base_encoder, base_decoder = pipeline.compute_models(embedded)  # the default: real Whisper base
     assert base_encoder.config("embedded").backend == "python"
     # one description: same tensors on both targets; on the embedded target the cross K/V are
     # also optional (a BLS caller may name the runner's cached copy instead)
@@ -310,12 +425,12 @@ def test_gpu_target_defaults_to_large_v3_configs_without_exporting():
     assert [t.name for t in embedded_inputs if t.optional] == cross_names(6)
     assert not any(t.optional for t in gpu_inputs)
     assert base_decoder.config("embedded").parameters["cached_inputs"].string_value == ",".join(cross_names(6))
-    assert part.model_table(gpu)[0]["architecture"].startswith("Whisper large-v3")
-    assert "random" in part.model_table(gpu)[0]["weights"]
-    assert part.model_table(embedded)[0]["architecture"].startswith("Whisper base")
-    assert part.model_table(embedded)[0]["weights"].startswith("OpenAI Whisper base")
+    assert pipeline.model_table(gpu)[0]["architecture"].startswith("Whisper large-v3")
+    assert "random" in pipeline.model_table(gpu)[0]["weights"]
+    assert pipeline.model_table(embedded)[0]["architecture"].startswith("Whisper base")
+    assert pipeline.model_table(embedded)[0]["weights"].startswith("OpenAI Whisper base")
     # an explicit size: that architecture with random weights (fast tests)
     tiny = BuildContext(target="embedded", output=Path("/nonexistent"),
                         args=argparse.Namespace(whisper_size="tiny", whisper_checkpoint=None), root=Path.cwd())
-    assert part.compute_models(tiny)[1].source_key != base_decoder.source_key
-    assert list(part.compute_models(tiny)[1].config("embedded").input[1].dims) == [8, 6, -1, 64]
+    assert pipeline.compute_models(tiny)[1].source_key != base_decoder.source_key
+    assert list(pipeline.compute_models(tiny)[1].config("embedded").input[1].dims) == [8, 6, -1, 64]

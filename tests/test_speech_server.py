@@ -242,7 +242,7 @@ def test_in_process_onnx_decode_equals_transformers_generate(triton_server, refe
     rules on both sides."""
     import torch
 
-    from repo_builder.speech_part import WhisperSource, load_whisper
+    from repo_builder.export.whisper import WhisperSource, load_whisper
 
     built = json.loads((Path(triton_server.options.model_repository) / ".built").read_text())
     row = {row["model"]: row for row in built["model_table"]}["whisper_decoder"]

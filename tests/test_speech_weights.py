@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from repo_builder import ct2_whisper
-from repo_builder.speech_part import WHISPER_SIZES, whisper_assets_dir
+from repo_builder.export.whisper import WHISPER_SIZES
+from repo_builder.speech_pipeline import whisper_assets_dir
 from triton_pipelines.speech import WhisperTokenizer
 
 

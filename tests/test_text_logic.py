@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from repo_builder.text_part import INTENTS_FILE, minilm_dir
+from repo_builder.text_pipeline import INTENTS_FILE, minilm_dir
 
 from .conftest import PROJECT_ROOT as ROOT
 from triton_pipelines.errors import InputError

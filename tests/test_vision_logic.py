@@ -20,9 +20,10 @@ from PIL import Image
 from tritonclient.grpc import model_config_pb2 as mc
 
 from triton_pipelines.errors import InputError
+from triton_pipelines.scoring import softmax, top_k
 from triton_pipelines.vision import (
     IMAGENET_MEAN, IMAGENET_STD, Classifier, ImagePreprocessor, PreprocessConfig, center_crop_box,
-    decode_to_rgb, imagenet_labels, parse_top_k, preprocess_image, resized_size, softmax, top_k, transform,
+    decode_to_rgb, imagenet_labels, parse_top_k, preprocess_image, resized_size, transform,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -341,13 +342,13 @@ def test_trtexec_args_cover_batch_1_to_max():
         "--maxShapes=pixel_values:32x3x224x224"]
 
 
-def test_vision_part_flag_selects_the_gpu_backend(tmp_path):
+def test_vision_pipeline_flag_selects_the_gpu_backend(tmp_path):
     from repo_builder.__main__ import parse_context
 
     for backend in ("onnxruntime_onnx", "onnxruntime_trt", "tensorrt_plan"):
-        context, parts = parse_context(["--target", "gpu", "--output", str(tmp_path), "--parts", "vision",
-                                        "--resnet50-gpu-backend", backend])
-        (model,) = [m for part in parts for m in part.compute_models(context)]
+        context, pipelines = parse_context(["--target", "gpu", "--output", str(tmp_path), "--pipelines", "vision",
+                                            "--resnet50-gpu-backend", backend])
+        (model,) = [m for pipeline in pipelines for m in pipeline.compute_models(context)]
         assert model.gpu_backend == backend
         config = model.config("gpu")
         assert config.platform == ("tensorrt_plan" if backend == "tensorrt_plan" else "onnxruntime_onnx")

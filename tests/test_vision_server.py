@@ -17,6 +17,7 @@ import pytest
 from PIL import Image
 
 from triton_pipelines.client import InferenceServerException, TritonClient, text_tensor
+from triton_pipelines.onnx_runner import onnx_session
 from triton_pipelines.vision import Classifier, load_labels, preprocess_image
 
 DATA = Path(__file__).resolve().parent / "data"
@@ -56,12 +57,7 @@ BAD = {
 
 class Reference:
     def __init__(self, repository: Path):
-        import onnxruntime as ort
-
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = 1
-        self.session = ort.InferenceSession(str(repository / "resnet50" / "1" / "model.onnx"), options,
-                                            providers=["CPUExecutionProvider"])
+        self.session = onnx_session(repository / "resnet50" / "1" / "model.onnx", intra_op_threads=1)
         self.classifier = Classifier(load_labels(repository / "classification_postprocess" / "1" / "labels.txt"))
 
     def pixels(self, images) -> np.ndarray:
@@ -78,7 +74,7 @@ class Reference:
 def reference(triton_server) -> Reference:
     repository = Path(triton_server.options.model_repository)
     if not (repository / "resnet50" / "1" / "model.onnx").exists():
-        pytest.fail(f"{repository} has no vision models: build it with --parts ...,vision")
+        pytest.fail(f"{repository} has no vision models: build it with --pipelines ...,vision")
     return Reference(repository)
 
 

@@ -20,8 +20,8 @@ from triton_pipelines.warmup import sample_inputs
 
 @pytest.mark.parametrize("target", TARGETS)
 def test_every_compute_model_has_a_warmup_sample_for_each_input(target):
-    context, parts = parse_context(["--target", target])
-    for model in [m for part in parts for m in part.compute_models(context)]:
+    context, pipelines = parse_context(["--target", target])
+    for model in [m for pipeline in pipelines for m in pipeline.compute_models(context)]:
         config = text_format.Parse(text_format.MessageToString(model.config(target)), mc.ModelConfig())
         assert config.model_warmup, model.name
         for sample in config.model_warmup:

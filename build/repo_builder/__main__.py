@@ -1,4 +1,4 @@
-"""python -m repo_builder --target embedded|gpu [--project-root DIR] [--output model_repository] [part flags]
+"""python -m repo_builder --target embedded|gpu [--project-root DIR] [--output model_repository] [pipeline flags]
 python -m repo_builder plan [--gpu A100-40GB | --gpu-memory 40GiB | --host] ...: the memory planner (plan.py)"""
 
 import argparse
@@ -6,8 +6,9 @@ import sys
 from pathlib import Path
 
 from .compute import TARGETS
-from .part import ROOT_ENV, BuildContext, find_project_root
-from .parts import PARTS
+from .pipeline import BuildContext
+from .pipelines import PIPELINES
+from .project import ROOT_ENV, find_project_root
 from .repository import build_repository
 
 
@@ -22,20 +23,20 @@ def make_parser() -> argparse.ArgumentParser:
                         help="embedded target: ONNX Runtime providers of the compute models, in preference "
                              "order: cpu (default), or e.g. tensorrt,cuda,cpu on a local NVIDIA GPU "
                              "(needs requirements-gpu.txt; see benchmarks/gpu.sh)")
-    parser.add_argument("--parts", default=",".join(PARTS),
-                        help=f"comma-separated pipelines to build (default: all of {','.join(PARTS)})")
-    for part in PARTS.values():
-        part.add_arguments(parser)
+    parser.add_argument("--pipelines", "--parts", dest="pipelines", default=",".join(PIPELINES),
+                        help=f"comma-separated pipelines to build (default: all of {','.join(PIPELINES)})")
+    for pipeline in PIPELINES.values():
+        pipeline.add_arguments(parser)
     return parser
 
 
 def parse_context(argv=None) -> tuple[BuildContext, list]:
     parser = make_parser()
     args = parser.parse_args(argv)
-    names = [n for n in args.parts.split(",") if n]
-    unknown = sorted(set(names) - set(PARTS))
+    names = [n for n in args.pipelines.split(",") if n]
+    unknown = sorted(set(names) - set(PIPELINES))
     if unknown:
-        parser.error(f"unknown parts {unknown}; known: {list(PARTS)}")
+        parser.error(f"unknown pipelines {unknown}; known: {list(PIPELINES)}")
     from triton_pipelines.onnx_runner import PROVIDERS
 
     unknown = set(args.embedded_execution_providers.split(",")) - set(PROVIDERS)
@@ -47,7 +48,7 @@ def parse_context(argv=None) -> tuple[BuildContext, list]:
         parser.error(str(error))
     output = (args.output or root / "model_repository").resolve()
     context = BuildContext(target=args.target, output=output, args=args, root=root)
-    return context, [PARTS[name] for name in names]
+    return context, [PIPELINES[name] for name in names]
 
 
 def main(argv=None) -> None:

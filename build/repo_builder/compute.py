@@ -1,8 +1,9 @@
 """One description per compute model; its Triton config for each target is generated from it.
 
 Targets:
-- ``embedded``: the Python backend runs the ONNX file with ONNX Runtime on the CPU
-  (``python_models/onnx_runtime_runner``), because the embedded tritonserver has no ORT backend.
+- ``embedded``: the Python backend runs the ONNX file with ONNX Runtime on the CPU (the builder
+  copies ``templates/onnx_runtime_runner.py`` in as its ``model.py``), because the embedded
+  tritonserver has no ORT backend.
 - ``gpu``: the native ``onnxruntime_onnx`` backend on ``KIND_GPU`` (the NGC container); per model,
   ``gpu_backend`` may instead choose ONNX Runtime with the TensorRT execution accelerator
   (``onnxruntime_trt``) or a TensorRT engine (``tensorrt_plan``, built by ``trtexec_args()``).

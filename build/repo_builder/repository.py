@@ -23,15 +23,14 @@ from pathlib import Path
 
 from .compute import ComputeModel
 from .files import is_fresh, mark_fresh, read_config, replace_dir, write_config
-from .part import BuildContext, Part
+from .pipeline import BuildContext, Pipeline
 from .tuning import apply_tuning
 from .variants import (EnsembleVariants, build_extra_versions, build_latency_variants, build_python_latency_variants,
                        variant_model)
 
 
-
-def onnx_runner(context: BuildContext) -> Path:
-    return context.root / "python_models" / "onnx_runtime_runner" / "model.py"
+# The embedded target's compute models: the model.py the builder copies into each version folder.
+ONNX_RUNNER_TEMPLATE = Path(__file__).parent / "templates" / "onnx_runtime_runner.py"
 
 
 def log(message: str) -> None:
@@ -41,8 +40,10 @@ def log(message: str) -> None:
 def build_compute_model(model: ComputeModel, context: BuildContext) -> list[str]:
     """The model (and its canary versions), then its latency-class variants; returns their names."""
     model_dir = context.output / model.name
-    # The exporter's whole module is hashed: a change to export code re-exports its models.
-    exporter_source = Path(inspect.getsourcefile(model.export_onnx)).read_text()
+    # The exporter's whole module (repo_builder.export.*) is hashed: a change to export code
+    # re-exports its models. export_onnx is the export function, or a functools.partial of it.
+    exporter = getattr(model.export_onnx, "func", model.export_onnx)
+    exporter_source = Path(inspect.getsourcefile(exporter)).read_text()
     key = model.content_hash(version("torch"), version("transformers"), exporter_source)
     onnx_dir = model_dir / "1"
     if not is_fresh(model_dir, key):
@@ -55,7 +56,7 @@ def build_compute_model(model: ComputeModel, context: BuildContext) -> list[str]
     write_config(model_dir / "config.pbtxt", model.config(context.target, context.args.embedded_execution_providers))
     runner = onnx_dir / "model.py"
     if context.target == "embedded":
-        shutil.copy2(onnx_runner(context), runner)
+        shutil.copy2(ONNX_RUNNER_TEMPLATE, runner)
     elif runner.exists():
         runner.unlink()
     # gpu + tensorrt_plan: the trtexec flags for docker/build_trt_engines.sh, which writes model.plan.
@@ -64,8 +65,8 @@ def build_compute_model(model: ComputeModel, context: BuildContext) -> list[str]
         trtexec_args.write_text("\n".join(model.trtexec_args()) + "\n")
     elif trtexec_args.exists():
         trtexec_args.unlink()
-    build_extra_versions(model, context, onnx_runner(context), log)
-    return [model.name] + build_latency_variants(model, context, onnx_runner(context))
+    build_extra_versions(model, context, ONNX_RUNNER_TEMPLATE, log)
+    return [model.name] + build_latency_variants(model, context, ONNX_RUNNER_TEMPLATE)
 
 
 def compile_model_files(output: Path) -> None:
@@ -93,54 +94,54 @@ def _export(model: ComputeModel, model_dir: Path) -> None:
     model.export_onnx(model_dir / "1" / "model.onnx")
 
 
-def build_python_model(name: str, part: Part, context: BuildContext) -> None:
+def build_python_model(name: str, pipeline: Pipeline, context: BuildContext) -> None:
     source = context.root / "python_models" / name
     model_dir = context.output / name
     version_dir = model_dir / "1"
     version_dir.mkdir(parents=True, exist_ok=True)
     config = read_config(source / "config.pbtxt")
-    part.patch_config(config, context)
+    pipeline.patch_config(config, context)
     write_config(model_dir / "config.pbtxt", config)
     shutil.copy2(source / "model.py", version_dir / "model.py")
-    part.write_assets(name, version_dir, context)
+    pipeline.write_assets(name, version_dir, context)
 
 
-def build_ensemble(name: str, part: Part, context: BuildContext) -> None:
+def build_ensemble(name: str, pipeline: Pipeline, context: BuildContext) -> None:
     model_dir = context.output / name
     config = read_config(context.root / "ensembles" / name / "config.pbtxt")
-    part.patch_config(config, context)
+    pipeline.patch_config(config, context)
     write_config(model_dir / "config.pbtxt", config)
     (model_dir / "1").mkdir(exist_ok=True)  # Triton needs a version folder, even an empty one
 
 
-def compute_models_of(context: BuildContext, parts: list[Part]) -> list[ComputeModel]:
-    """Every part's compute models as the build makes them (other parts' adjustments, the recorded tuning)."""
+def compute_models_of(context: BuildContext, pipelines: list[Pipeline]) -> list[ComputeModel]:
+    """Every pipeline's compute models as the build makes them (other pipelines' adjustments, the recorded tuning)."""
     models = []
-    for part in parts:
-        for model in part.compute_models(context):
-            for other in parts:  # e.g. the router's route file adds canary versions
+    for pipeline in pipelines:
+        for model in pipeline.compute_models(context):
+            for other in pipelines:  # e.g. the router's route file adds canary versions
                 model = other.adjust_compute_model(model, context)
             models.append(apply_tuning(model, context.root))  # the config search's choice, if recorded
     return models
 
 
-def planned_shm(context: BuildContext, parts: list[Part]) -> dict[str, int]:
+def planned_shm(context: BuildContext, pipelines: list[Pipeline]) -> dict[str, int]:
     """``plan.shm_needs`` of the repository this context would build, from the descriptions and
     source configs alone (nothing exported): how the committed /dev/shm sizes of docker-compose.yml
     and deploy/k8s are checked for a target this machine does not build (gpu, Whisper large-v3)."""
     from .plan import shm_needs
 
     configs, bounds = {}, {}
-    for model in compute_models_of(context, parts):
+    for model in compute_models_of(context, pipelines):
         for described in [model, *(variant_model(model, v.suffix) for v in model.latency_variants)]:
             configs[described.name] = described.config(context.target, context.args.embedded_execution_providers)
             bounds[described.name] = {"": model.max_sequence_length} if model.max_sequence_length else {}
-    for part in parts:
-        for name in part.python_models:
+    for pipeline in pipelines:
+        for name in pipeline.python_models:
             config = read_config(context.root / "python_models" / name / "config.pbtxt")
-            part.patch_config(config, context)
+            pipeline.patch_config(config, context)
             configs[name] = config
-            for variant in part.python_latency_variants.get(name, ()):
+            for variant in pipeline.python_latency_variants.get(name, ()):
                 renamed = type(config)()
                 renamed.CopyFrom(config)
                 renamed.name = f"{name}_{variant.suffix}"
@@ -148,32 +149,33 @@ def planned_shm(context: BuildContext, parts: list[Part]) -> dict[str, int]:
     return shm_needs(configs, bounds)
 
 
-def build_repository(context: BuildContext, parts: list[Part]) -> list[str]:
+def build_repository(context: BuildContext, pipelines: list[Pipeline]) -> list[str]:
     started = time.monotonic()
     context.output.mkdir(parents=True, exist_ok=True)
     built: list[str] = []
-    compute_models = compute_models_of(context, parts)
+    compute_models = compute_models_of(context, pipelines)
     for model in compute_models:
         built.extend(build_compute_model(model, context))
-    for part in parts:
-        for name in part.python_models:
-            build_python_model(name, part, context)
+    for pipeline in pipelines:
+        for name in pipeline.python_models:
+            build_python_model(name, pipeline, context)
             built.append(name)
-        for name in part.ensembles:
-            build_ensemble(name, part, context)
+        for name in pipeline.ensembles:
+            build_ensemble(name, pipeline, context)
             built.append(name)
-    python_variants = {name: variants for part in parts for name, variants in part.python_latency_variants.items()}
+    python_variants = {name: variants for pipeline in pipelines
+                       for name, variants in pipeline.python_latency_variants.items()}
     for name, variants in python_variants.items():
         built.extend(build_python_latency_variants(name, variants, context))
     # Latency-class and canary variants of the ensembles (see variants.py).
-    built.extend(EnsembleVariants(context, compute_models, [n for p in parts for n in p.ensembles],
+    built.extend(EnsembleVariants(context, compute_models, [n for p in pipelines for n in p.ensembles],
                                   python_variants).build())
     for stale in sorted(p for p in context.output.iterdir() if p.is_dir() and p.name not in built):
         if (stale / "config.pbtxt").exists():
             log(f"removing {stale.name}: no longer built")
             shutil.rmtree(stale)
     compile_model_files(context.output)
-    rows = [row for part in parts for row in part.model_table(context)]
+    rows = [row for pipeline in pipelines for row in pipeline.model_table(context)]
     stamp = {"target": context.target, "models": built, "model_table": rows,
              "compute_models": {model.name: compute_model_facts(model) for model in compute_models}}
     (context.output / ".built").write_text(json.dumps(stamp, indent=2))

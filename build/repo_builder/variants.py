@@ -1,4 +1,4 @@
-"""Model variants generated from the single compute-model description (issue 5).
+"""Model variants generated from the single compute-model description.
 
 Latency classes
     The compute model ``<name>`` is the ``realtime`` class: its description's own batching.
@@ -13,7 +13,7 @@ Canary versions
 
 Python-model latency classes
     A pipeline whose compute models are driven by a BLS loop (speech: ``whisper_decode`` calls the
-    Whisper models itself) batches in the loop model, not in the compute models. Its part declares
+    Whisper models itself) batches in the loop model, not in the compute models. Its pipeline declares
     ``python_latency_variants``: ``<model>_<suffix>`` is the same Python model (its version folder
     symlinked) with the variant's dynamic batching.
 
@@ -33,11 +33,11 @@ from typing import Callable
 
 from tritonclient.grpc import model_config_pb2 as mc
 
+from triton_pipelines.routing import STABLE_VERSION
+
 from .compute import ComputeModel, LatencyVariant
 from .files import hash_files, is_fresh, mark_fresh, read_config, write_config
-from .part import BuildContext
-
-STABLE_VERSION = 1
+from .pipeline import BuildContext
 
 
 def quantize_int8_dynamic(source: Path, target: Path) -> None:

@@ -4,9 +4,9 @@ are decoded in this one execute on the preprocessor's thread pool; a bad image f
 Custom metrics (Triton's /metrics): image_preprocess_decode_duration_us and
 image_preprocess_transform_duration_us, summed over images, split the model's compute time."""
 
-import triton_python_backend_utils as pb_utils
-
-from triton_pipelines.backend import error_response, model_parameters
+from triton_pipelines.stub.metrics import PreprocessMetrics
+from triton_pipelines.stub.model_args import model_parameters
+from triton_pipelines.stub.responses import input_array, respond
 from triton_pipelines.vision import ImagePreprocessor, PreprocessConfig
 
 
@@ -19,34 +19,16 @@ class TritonPythonModel:
                              max_request_pixels=int(parameters["max_request_pixels"]),
                              jpeg_draft=parameters.get("jpeg_draft", "false").lower() in ("1", "true")),
             threads=int(parameters["decode_threads"]))
-        labels = {"model": args["model_name"], "version": args["model_version"]}
-        # The families must outlive their metrics: keep both.
-        self.metric_families = [
-            pb_utils.MetricFamily(
-                name="image_preprocess_decode_duration_us",
-                description="Cumulative time decoding images to RGB (header checks, decompression, "
-                            "mode conversion)",
-                kind=pb_utils.MetricFamily.COUNTER),
-            pb_utils.MetricFamily(
-                name="image_preprocess_transform_duration_us",
-                description="Cumulative time resizing, cropping and normalizing decoded images",
-                kind=pb_utils.MetricFamily.COUNTER),
-        ]
-        self.decode_us, self.transform_us = (family.Metric(labels=labels) for family in self.metric_families)
+        self.metrics = PreprocessMetrics(args["model_name"], args["model_version"])
 
     def execute(self, requests):
-        try:
-            result = self.preprocessor.run(
-                [pb_utils.get_input_tensor_by_name(request, "image").as_numpy() for request in requests])
-        except Exception as error:  # a bug must fail this batch, not the stub
-            return [error_response(RuntimeError(f"image_preprocess failed: {error}")) for _ in requests]
-        self.decode_us.increment(result.timing.decode_s * 1e6)
-        self.transform_us.increment(result.timing.transform_s * 1e6)
-        return [
-            error_response(output) if isinstance(output, Exception)
-            else pb_utils.InferenceResponse([pb_utils.Tensor("pixel_values", output)])
-            for output in result.outputs
-        ]
+        return respond(requests, lambda request: input_array(request, "image"), self.preprocess,
+                       failure="image_preprocess failed")
+
+    def preprocess(self, images):
+        result = self.preprocessor.run(images)
+        self.metrics.record(result.timing)
+        return [output if isinstance(output, Exception) else {"pixel_values": output} for output in result.outputs]
 
     def finalize(self):
         self.preprocessor.close()

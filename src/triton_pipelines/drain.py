@@ -2,10 +2,11 @@
 
 Triton's own shutdown first stops every model's scheduler, then waits for in-flight requests. An
 ensemble (or BLS) request in flight at that moment fails at its next step: "Server is stopping,
-scheduler for model has stopped accepting new inference requests" (triton-inference-server/server
-issue 6287). Unloading a model instead rejects new requests to it at once but lets its in-flight
-ones finish while the models it calls stay loaded. So we unload top-down, one layer at a time:
-first the models nothing else calls, wait until they are gone, then the next layer.
+scheduler for model has stopped accepting new inference requests" (Triton's own bug report:
+triton-inference-server/server#6287). Unloading a model instead rejects new requests to it at once
+but lets its in-flight ones finish while the models it calls stay loaded. So we unload top-down,
+one layer at a time: first the models nothing else calls, wait until they are gone, then the next
+layer.
 
 Callers: an ensemble calls its steps' models; a Python model declares the models it calls through
 BLS in its config: ``parameters { key: "bls_dependencies" value { string_value: "a,b" } }``, or

@@ -53,26 +53,35 @@ def providers_for(names: Sequence[str], available: Sequence[str], cache_dir: Pat
     return chosen
 
 
+def onnx_session(model_path: Path | str, intra_op_threads: int = 0, execution_providers: Sequence[str] = ("cpu",),
+                 engine_cache_dir: Path | None = None, spin_wait: bool = True):
+    """An ONNX Runtime session as every model here runs one: ``intra_op_threads`` threads inside an
+    operator (0: ONNX Runtime's default), one between operators, the providers in preference order.
+
+    ``spin_wait=False``: ONNX Runtime's intra-op threads block as soon as a run's parallel work is
+    done instead of spinning for more (``session.intra_op.allow_spinning``). Spinning saves a
+    wake-up inside one run; in a server where other processes (Triton's stubs) need the same cores
+    right after the run, the spinning thread takes their CPU."""
+    import onnxruntime as ort
+
+    if any(name != "cpu" for name in execution_providers) and hasattr(ort, "preload_dlls"):
+        ort.preload_dlls()  # the CUDA/cuDNN libraries of the nvidia-* wheels
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = intra_op_threads
+    options.inter_op_num_threads = 1
+    if not spin_wait:
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    providers = providers_for(execution_providers, ort.get_available_providers(), engine_cache_dir)
+    return ort.InferenceSession(str(model_path), options, providers=providers)
+
+
 class OnnxBatchRunner:
     def __init__(self, model_path: Path | str, intra_op_threads: int = 0,
                  output_names: Sequence[str] | None = None, pad_ragged: bool = False,
                  execution_providers: Sequence[str] = ("cpu",), engine_cache_dir: Path | None = None,
                  spin_wait: bool = True):
-        """``spin_wait=False``: ONNX Runtime's intra-op threads block as soon as a run's parallel
-        work is done instead of spinning for more (``session.intra_op.allow_spinning``). Spinning
-        saves a wake-up inside one run; in a server where other processes (Triton's stubs) need
-        the same cores right after the run, the spinning thread takes their CPU."""
-        import onnxruntime as ort
-
-        if any(name != "cpu" for name in execution_providers) and hasattr(ort, "preload_dlls"):
-            ort.preload_dlls()  # the CUDA/cuDNN libraries of the nvidia-* wheels
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = intra_op_threads
-        options.inter_op_num_threads = 1
-        if not spin_wait:
-            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        providers = providers_for(execution_providers, ort.get_available_providers(), engine_cache_dir)
-        self.session = ort.InferenceSession(str(model_path), options, providers=providers)
+        """The session's options: ``onnx_session``."""
+        self.session = onnx_session(model_path, intra_op_threads, execution_providers, engine_cache_dir, spin_wait)
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.output_names = list(output_names or [o.name for o in self.session.get_outputs()])
         # Ragged batching (config: allow_ragged_batch on the inputs): requests of different
@@ -199,3 +208,71 @@ def parse_rows(text: str) -> list[int]:
         return [int(value) for value in text.split(",") if value.strip()]
     except ValueError:
         raise InputError(f"input cache rows must be comma-separated integers, got {text!r}") from None
+
+
+class EmbeddedComputeModel:
+    """A compute model as the embedded target serves it (the builder's ``onnx_runtime_runner``
+    template is a thin adapter over this): the ONNX file in ONNX Runtime, with the name, tensors
+    and batching of the native ``onnxruntime_onnx`` model.
+
+    Config parameter ``cached_inputs`` (comma-separated, optional): inputs a BLS caller may send once
+    with the request parameter ``input_cache_key`` and then omit, naming the key (and, with
+    ``input_cache_rows``, the rows still wanted); ``input_cache_entries`` (default 8) bounds the keys
+    kept. See ``InputCache``."""
+
+    def __init__(self, name: str, runner: OnnxBatchRunner, input_names: Sequence[str],
+                 cache: InputCache | None = None):
+        self.name = name
+        self.runner = runner
+        self.input_names = list(input_names)
+        self.cache = cache
+
+    @classmethod
+    def from_config(cls, name: str, config: Mapping, parameters: Mapping[str, str], version_dir: Path
+                    ) -> "EmbeddedComputeModel":
+        """From the model's config (as JSON), its parameters and its version folder."""
+        runner = OnnxBatchRunner(
+            version_dir / parameters.get("onnx_file", "model.onnx"),
+            intra_op_threads=int(parameters.get("intra_op_threads", "0")),
+            output_names=[o["name"] for o in config["output"]],
+            pad_ragged=any(i.get("allow_ragged_batch", False) for i in config["input"]),
+            execution_providers=parameters.get("execution_providers", "cpu").split(","),
+            engine_cache_dir=engine_cache_dir(name),
+            spin_wait=parameters.get("intra_op_spin_wait", "true") == "true",
+        )
+        cached = [input_name for input_name in parameters.get("cached_inputs", "").split(",") if input_name]
+        cache = InputCache(cached, int(parameters.get("input_cache_entries", "8"))) if cached else None
+        return cls(name, runner, [i["name"] for i in config["input"]], cache)
+
+    def feeds(self, given: Mapping[str, np.ndarray], parameters: Mapping) -> tuple[dict[str, np.ndarray], str | None]:
+        """One request's inputs (``given``: those it carries) and request parameters → (input name →
+        array, its input cache key or None). InputError for missing inputs or a bad cache use."""
+        feeds = dict(given)
+        key = parameters.get("input_cache_key")
+        if key is None or self.cache is None:
+            missing = [name for name in self.input_names if name not in feeds]
+            if missing:
+                raise InputError(f"{self.name}: missing inputs {missing}"
+                                 + (" (or an input_cache_key naming them)" if self.cache is not None else ""))
+            return feeds, None
+        rows = parameters.get("input_cache_rows")
+        feeds.update(self.cache.resolve(str(key), feeds, None if rows is None else parse_rows(str(rows))))
+        return feeds, str(key)
+
+    def run(self, requests: Sequence[tuple[Mapping[str, np.ndarray], str | None]]
+            ) -> list[dict[str, np.ndarray] | Exception]:
+        """``feeds`` results of one execute → per request its outputs, or the error that fails it.
+        Requests without a cache key run as one batch; one with a key runs alone (its cached tensors
+        are its caller's own: copying them into a batch would cost what the cache saves). An ONNX
+        Runtime failure fails the requests of that run only."""
+        plain = [index for index, (_, key) in enumerate(requests) if key is None]
+        keyed = [[index] for index, (_, key) in enumerate(requests) if key is not None]
+        results: list = [None] * len(requests)
+        for group in ([plain] if plain else []) + keyed:
+            try:
+                outputs = self.runner.run([requests[index][0] for index in group])
+            except Exception as error:  # fails these requests, not the server
+                outputs = [RuntimeError(f"{self.name}: ONNX Runtime failed: {error}")] * len(group)
+            for index, output in zip(group, outputs):
+                results[index] = output
+        return results

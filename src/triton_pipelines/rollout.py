@@ -60,8 +60,8 @@ from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
 from .control import STATE_ENV, ControlClient, ControlError
+from .routing import STABLE_VERSION, RouteTable
 
-STABLE_VERSION = 1  # the version the plain ensembles pin at build time (routing.STABLE_VERSION)
 VERSIONED_ENSEMBLE = re.compile(r"^(?P<base>.+)_v(?P<version>[0-9]+)$")
 # Router failure reasons that are the caller's fault, not the new version's.
 CLIENT_REASONS = ("invalid_input", "upstream_invalid_input")
@@ -117,6 +117,12 @@ class Metrics:
 
 
 # ----------------------------------------------------------------------------------- the family
+def route_table(repository: Path) -> RouteTable | None:
+    """The router's route file as the builder copied it into the repository (None without a router)."""
+    routes_file = repository / "router" / "1" / "routes.yaml"
+    return RouteTable.load(routes_file) if routes_file.exists() else None
+
+
 @dataclass(frozen=True)
 class Family:
     """A compute model, its latency-class variants (same files, own configs) and the ensembles
@@ -166,14 +172,11 @@ class Family:
                 if step in members and version > 0:
                     pinning[name] = step
         tasks, router_versions = (), (STABLE_VERSION,)
-        routes_file = repository / "router" / "1" / "routes.yaml"
-        if routes_file.exists():
-            import yaml
-
-            routes = yaml.safe_load(routes_file.read_text(encoding="utf-8")) or {}
-            tasks = tuple(sorted(t for t, spec in (routes.get("tasks") or {}).items() if spec.get("canary") == model))
-            declared = ((routes.get("canaries") or {}).get(model) or {}).get("versions") or {}
-            router_versions = (STABLE_VERSION, *sorted(int(v) for v in declared))
+        routes = route_table(repository)
+        if routes is not None:
+            tasks = tuple(sorted(task for task, route in routes.tasks.items() if route.canary == model))
+            if model in routes.canaries:
+                router_versions = routes.canaries[model].versions
         return cls(model, members, pinning, {v: tuple(sorted(n)) for v, n in versioned.items()}, tasks,
                    router_versions)
 
@@ -319,13 +322,9 @@ class Rollout:
                 return {int(v): float(s) for v, s in document[self.model].items()}
         except (FileNotFoundError, ValueError):
             pass
-        routes_file = self.repository / "router" / "1" / "routes.yaml"
-        if routes_file.exists():
-            import yaml
-
-            canary = ((yaml.safe_load(routes_file.read_text()) or {}).get("canaries") or {}).get(self.model) or {}
-            if canary.get("split"):
-                return {int(v): float(s) for v, s in canary["split"].items()}
+        routes = route_table(self.repository)
+        if routes is not None and self.model in routes.canaries:
+            return dict(routes.canaries[self.model].split)
         return {self.current_version(): 100.0}
 
     def status(self) -> dict:

@@ -21,7 +21,7 @@ from typing import Any, Awaitable, Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 
-from .errors import InputError
+from .errors import InputError, decode_utf8
 from .gateway import Completion, GatewayClient
 from .routing import RouteError, RoutedRequest, Router, json_bytes
 
@@ -185,8 +185,8 @@ class RouterService:
     def _task_label(self, task: Any) -> str:
         """The metric label of a task that failed validation: its name if known, else ``unknown``."""
         try:
-            name = (task if isinstance(task, bytes) else str(task).encode()).decode("utf-8").strip()
-        except (UnicodeError, ValueError):
+            name = decode_utf8(task, "input 'task'").strip()
+        except ValueError:  # InputError, or a str that does not encode
             return "unknown"
         return name if name in self.router.table.tasks else "unknown"
 

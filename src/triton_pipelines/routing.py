@@ -24,10 +24,11 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .errors import InputError
+from .errors import InputError, as_bytes, decode_utf8
 
 LATENCY_CLASSES = ("realtime", "batch")
 TIERS = ("cheapest", "balanced", "best")
+# The version every plain ensemble pins and the router serves by default; canary versions are 2, 3, ...
 STABLE_VERSION = 1
 MESSAGE_ROLES = ("system", "user", "assistant", "developer", "tool")
 # What a vision_llm image may claim to be (it becomes a data: URL sent upstream).
@@ -91,6 +92,7 @@ class Canary:
     model: str
     versions: tuple[int, ...]  # all loaded versions, 1 first
     split: Mapping[int, float]  # version -> share in percent
+    builds: Mapping[int, str] = field(default_factory=dict)  # version > 1 -> how the builder derives it from 1
 
 
 @dataclass(frozen=True)
@@ -118,9 +120,10 @@ class RouteTable:
                   for name, p in (document.get("prices") or {}).items()}
         canaries = {}
         for name, spec in (document.get("canaries") or {}).items():
-            versions = (STABLE_VERSION,) + tuple(sorted(int(v) for v in (spec.get("versions") or {})))
+            builds = {int(v): str(build) for v, build in (spec.get("versions") or {}).items()}
+            versions = (STABLE_VERSION,) + tuple(sorted(builds))
             canaries[str(name)] = Canary(str(name), versions, validate_split(spec.get("split") or {}, versions,
-                                                                                f"{source}: canary {name}"))
+                                                                                f"{source}: canary {name}"), builds)
         tasks = {}
         for task, spec in (document.get("tasks") or {}).items():
             route = spec.get("route")
@@ -290,14 +293,6 @@ class RoutedRequest:
     note: str = ""
 
 
-def decode_string(raw: Any, name: str) -> str:
-    data = raw if isinstance(raw, bytes) else str(raw).encode()
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as error:
-        raise InputError(f"input '{name}' is not valid UTF-8 (offset {error.start})") from None
-
-
 def _number(payload: Mapping, key: str, kind, low, high):
     value = payload.get(key)
     if value is None:
@@ -399,16 +394,16 @@ class Router:
     def prepare(self, task_raw: Any, payload_raw: Any, latency_class_raw: Any = None,
                 key: str | None = None) -> RoutedRequest:
         """Validate one request and decide where it goes. Raises InputError with a clear message."""
-        task = decode_string(task_raw, "task").strip()
+        task = decode_utf8(task_raw, "input 'task'").strip()
         route = self.table.tasks.get(task)
         if route is None:
             raise InputError(f"unknown task {task!r}; known tasks: {', '.join(self.known_tasks())}")
         latency_class = "realtime"
         if latency_class_raw is not None:
-            latency_class = decode_string(latency_class_raw, "latency_class").strip() or "realtime"
+            latency_class = decode_utf8(latency_class_raw, "input 'latency_class'").strip() or "realtime"
             if latency_class not in LATENCY_CLASSES:
                 raise InputError(f"latency_class must be one of {', '.join(LATENCY_CLASSES)}, not {latency_class!r}")
-        raw = payload_raw if isinstance(payload_raw, bytes) else str(payload_raw).encode()
+        raw = as_bytes(payload_raw)
         if len(raw) > self.table.max_payload_bytes:
             raise InputError(f"payload is {len(raw)} bytes; the limit is {self.table.max_payload_bytes} bytes")
         payload = parse_payload(raw)

@@ -5,8 +5,8 @@ ONNX pair.
 Everything here is plain numpy (plus soundfile, soxr, tiktoken, onnxruntime for the in-process
 reference); the Triton models ``audio_features`` and ``whisper_decode`` are thin adapters over it.
 
-Greedy decoding (``GreedyBatch``) is the same state machine in Triton (one BLS call to
-``whisper_decoder`` per step) and in process (``WhisperOnnx.decode_windows``): every window starts from
+Greedy decoding (``GreedyDecoder``, token selection in ``GreedyBatch``) is the same loop in Triton
+(one BLS call to ``whisper_decoder`` per step) and in process (``WhisperOnnx.decode_windows``): every window starts from
 the prompt ``<|startoftranscript|><|lang|><|task|><|notimestamps|>``; each step feeds the new
 tokens and the self-attention cache, takes the argmax over the text tokens plus
 ``<|endoftext|>`` with Whisper's standard suppression (every other special token, the non-speech
@@ -22,11 +22,12 @@ import io
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from .errors import InputError
+from .errors import InputError, UpstreamError, decode_utf8
+from .onnx_runner import NOT_CACHED, onnx_session
 
 SAMPLE_RATE = 16000
 N_FFT = 400
@@ -349,6 +350,65 @@ def cross_names(layers: int) -> list[str]:
     return [name for i in range(layers) for name in (f"cross_key_{i}", f"cross_value_{i}")]
 
 
+# One decoder step: (input_ids [rows, T], past_self_kv, cross K/V by name, request parameters) →
+# (logits [rows, vocab], present_self_kv) as numpy. The cross K/V are the caller's tensors
+# (numpy in process, Triton tensors in whisper_decode): the loop only hands them on.
+DecoderStep = Callable[[np.ndarray, np.ndarray, Mapping[str, Any], Mapping[str, str]], tuple[np.ndarray, np.ndarray]]
+# The given rows of cross K/V tensors, as tensors of the same kind.
+GatherRows = Callable[[Mapping[str, Any], np.ndarray], Mapping[str, Any]]
+
+
+def gather_arrays(arrays: Mapping[str, np.ndarray], rows: np.ndarray) -> dict[str, np.ndarray]:
+    return {name: np.ascontiguousarray(value[rows]) for name, value in arrays.items()}
+
+
+class GreedyDecoder:
+    """The greedy decoding loop over a KV-cached decoder step, shared by the Triton model
+    ``whisper_decode`` (each step a BLS call to ``whisper_decoder``) and the in-process reference
+    ``WhisperOnnx`` (each step an ONNX Runtime run): token selection is ``GreedyBatch``.
+
+    ``cache_key``: the decoder keeps the cross K/V of the current group under this key (the embedded
+    target: ``onnx_runner.InputCache``). The first step sends them with the key, later steps send
+    only the key and the windows still running (request parameters ``input_cache_key`` and
+    ``input_cache_rows``); a step that reaches a decoder instance without them (another instance,
+    or an evicted slot: ``onnx_runner.NOT_CACHED`` in an ``UpstreamError``) sends the running
+    windows' K/V again. Without a key every step sends the cross K/V of the running windows."""
+
+    def __init__(self, tokenizer: WhisperTokenizer, vocab_size: int, step: DecoderStep,
+                 gather: GatherRows = gather_arrays, cache_key: str | None = None):
+        self.eot = tokenizer.eot
+        self.mask, self.begin_mask = tokenizer.suppress_masks(vocab_size)
+        self.step = step
+        self.gather = gather
+        self.cache_key = cache_key
+
+    def decode(self, prompts: np.ndarray, max_new_tokens: int | np.ndarray, cross: Mapping[str, Any],
+               heads: int, head_dim: int, compact: bool = True) -> list[list[int]]:
+        """``prompts [N, 4]`` and the encoder's cross K/V of those N windows → generated ids per
+        window. ``compact=False``: finished windows stay in the batch (``GreedyBatch``), for cross
+        K/V whose rows cannot be gathered here (on a GPU)."""
+        state = GreedyBatch(prompts, self.eot, max_new_tokens, self.mask, compact=compact, begin_mask=self.begin_mask)
+        # Zero-length self-attention cache on the first step: [rows, 2 * layers, heads, 0, head_dim].
+        past = np.zeros((len(prompts), len(cross), heads, 0, head_dim), np.float32)
+        sent = cross  # first step: the tensors themselves (a caching decoder stores them)
+        while not state.done:
+            parameters = {} if self.cache_key is None else {
+                "input_cache_key": self.cache_key, "input_cache_rows": ",".join(str(w) for w in state.active)}
+            try:
+                logits, present = self.step(state.next_ids, past, sent, parameters)
+            except UpstreamError as error:
+                if self.cache_key is None or NOT_CACHED not in str(error):
+                    raise
+                logits, present = self.step(state.next_ids, past, self.gather(cross, state.active), parameters)
+            rows = state.advance(logits)
+            past = present if rows is None else present[rows]
+            if self.cache_key is not None:
+                sent = {}
+            elif rows is not None:
+                sent = self.gather(sent, rows)
+        return state.tokens
+
+
 @dataclass(frozen=True)
 class DecoderShape:
     layers: int
@@ -385,15 +445,8 @@ def text_values(raw: np.ndarray | None, count: int, input_name: str, default: st
     flat = raw.reshape(-1)
     if flat.size != count:
         raise InputError(f"input '{input_name}' has {flat.size} elements for {count} audio items")
-    values = []
-    for index, item in enumerate(flat):
-        data = item if isinstance(item, bytes) else str(item).encode()
-        try:
-            text = data.decode("utf-8").strip().lower()
-        except UnicodeDecodeError:
-            raise InputError(f"input '{input_name}'[{index}] is not valid UTF-8") from None
-        values.append(text or default)
-    return values
+    return [decode_utf8(item, f"input '{input_name}'[{index}]").strip().lower() or default
+            for index, item in enumerate(flat)]
 
 
 @dataclass
@@ -442,18 +495,55 @@ def join_transcript(tokenizer: WhisperTokenizer, tokens: Sequence[list[int]]) ->
     return " ".join(text for text in (tokenizer.decode(t).strip() for t in tokens) if text)
 
 
+def decode_group_size(decoder_max_batch: int, encoder_max_batch: int, decoder_caches_cross: bool) -> int:
+    """Windows ``whisper_decode`` decodes together. With the decoder caching the cross K/V (the
+    embedded target): the decoder's whole batch (the encoder's CPU outputs of several calls are
+    joined). Otherwise (the gpu target): one encoder call's worth, so that its device tensors are
+    the decoder's cross K/V as they are (device tensors cannot be joined in Python) and the
+    self-attention K/V crossing the stub's shared memory stay bounded (docs/speech.md)."""
+    return decoder_max_batch if decoder_caches_cross else min(decoder_max_batch, encoder_max_batch)
+
+
+def decode_jobs(jobs: Sequence[DecodeJob], group_size: int,
+                decode_group: Callable[[np.ndarray, np.ndarray, np.ndarray], list[list[int]]]
+                ) -> list[list[list[list[int]]]]:
+    """Every window of every job, decoded ``group_size`` windows at a time by
+    ``decode_group(features, prompts, max_new_tokens)`` → per job, per item, per window: the ids."""
+    # One request per batch (the common case at low load) needs no copy of its windows.
+    join = lambda arrays: arrays[0] if len(arrays) == 1 else np.concatenate(arrays)  # noqa: E731
+    features = join([job.features for job in jobs])
+    prompts = join([job.prompts for job in jobs])
+    bounds = join([job.max_new_tokens for job in jobs])
+    window_tokens = []
+    for start in range(0, len(features), group_size):
+        stop = start + group_size
+        window_tokens += decode_group(features[start:stop], prompts[start:stop], bounds[start:stop])
+    result, offset = [], 0
+    for job in jobs:
+        count = sum(job.windows_per_item)
+        result.append(group_windows(window_tokens[offset:offset + count], job.windows_per_item))
+        offset += count
+    return result
+
+
+def transcript_outputs(tokenizer: WhisperTokenizer, item_tokens: Sequence[Sequence[list[int]]]) -> dict[str, np.ndarray]:
+    """One request's per item, per window ids → ``whisper_decode``'s outputs: ``transcript``
+    ``[items, 1]`` (UTF-8 bytes) and ``token_ids`` ``[items, longest]`` int32, padded with -1."""
+    texts = [join_transcript(tokenizer, windows) for windows in item_tokens]
+    flat = [[t for window in windows for t in window] for windows in item_tokens]
+    ids = np.full((len(flat), max(len(f) for f in flat)), -1, dtype=np.int32)
+    for row, values in enumerate(flat):
+        ids[row, :len(values)] = values
+    return {"transcript": np.array([t.encode() for t in texts], dtype=np.object_).reshape(-1, 1), "token_ids": ids}
+
+
 class WhisperOnnx:
     """In-process reference: the same two ONNX graphs in ONNX Runtime, same greedy state machine.
     Used by the tests (token equality with Triton) and by the benchmark's baseline."""
 
     def __init__(self, encoder_onnx: Path | str, decoder_onnx: Path | str, intra_op_threads: int = 0):
-        import onnxruntime as ort
-
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = intra_op_threads
-        options.inter_op_num_threads = 1
-        self.encoder = ort.InferenceSession(str(encoder_onnx), options, providers=["CPUExecutionProvider"])
-        self.decoder = ort.InferenceSession(str(decoder_onnx), options, providers=["CPUExecutionProvider"])
+        self.encoder = onnx_session(encoder_onnx, intra_op_threads)
+        self.decoder = onnx_session(decoder_onnx, intra_op_threads)
         self.shape = DecoderShape.from_sessions(self.encoder, self.decoder)
         self.cross_names = cross_names(self.shape.layers)
 
@@ -469,15 +559,11 @@ class WhisperOnnx:
     def decode_encoded(self, cross: dict[str, np.ndarray], prompts: np.ndarray, tokenizer: WhisperTokenizer,
                        max_new_tokens: int | np.ndarray) -> list[list[int]]:
         """Greedy decoding from the encoder's cross K/V (``encode``)."""
-        shape = self.shape
-        mask, begin = tokenizer.suppress_masks(shape.vocab_size)
-        state = GreedyBatch(prompts, tokenizer.eot, max_new_tokens, mask, begin_mask=begin)
-        past = np.zeros((len(prompts), 2 * shape.layers, shape.heads, 0, shape.head_dim), dtype=np.float32)
-        while not state.done:
-            logits, past = self.decoder.run(["logits", "present_self_kv"],
-                                            {"input_ids": state.next_ids, "past_self_kv": past, **cross})
-            rows = state.advance(logits)
-            if rows is not None:
-                past = past[rows]
-                cross = {name: np.ascontiguousarray(value[rows]) for name, value in cross.items()}
-        return state.tokens
+        decoder = GreedyDecoder(tokenizer, self.shape.vocab_size, self.step)
+        return decoder.decode(prompts, max_new_tokens, cross, self.shape.heads, self.shape.head_dim)
+
+    def step(self, input_ids: np.ndarray, past: np.ndarray, cross: Mapping[str, np.ndarray],
+             parameters: Mapping[str, str]) -> tuple[np.ndarray, np.ndarray]:
+        logits, present = self.decoder.run(["logits", "present_self_kv"],
+                                           {"input_ids": input_ids, "past_self_kv": past, **cross})
+        return logits, present

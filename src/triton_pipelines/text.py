@@ -14,7 +14,8 @@ from typing import Sequence
 
 import numpy as np
 
-from .errors import InputError
+from .errors import InputError, as_bytes, decode_utf8
+from .scoring import softmax
 
 MAX_SEQUENCE_LENGTH = 256
 LENGTH_BUCKETS = (16, 32, 64, 128, 256)
@@ -34,18 +35,12 @@ def decode_texts(raw: np.ndarray, input_name: str = "text", max_bytes: int = MAX
         raise InputError(f"input '{input_name}' is an empty batch: send at least one text")
     texts = []
     for index, item in enumerate(flat):
-        data = item if isinstance(item, bytes) else str(item).encode()
+        data = as_bytes(item)
         if len(data) > max_bytes:
             raise InputError(
                 f"input '{input_name}'[{index}] is {len(data)} bytes; the limit is {max_bytes} bytes"
             )
-        try:
-            texts.append(data.decode("utf-8"))
-        except UnicodeDecodeError as error:
-            raise InputError(
-                f"input '{input_name}'[{index}] is not valid UTF-8 "
-                f"(byte 0x{data[error.start]:02x} at offset {error.start})"
-            ) from None
+        texts.append(decode_utf8(data, f"input '{input_name}'[{index}]"))
     return texts
 
 
@@ -136,13 +131,14 @@ class IntentPrototypes:
 
     def classify(self, embeddings: np.ndarray) -> tuple[list[str], np.ndarray]:
         """Best intent per row and its probability: softmax over cosine / temperature."""
-        similarities = embeddings @ self.vectors.T
-        logits = similarities / self.temperature
-        logits -= logits.max(axis=1, keepdims=True)
-        probabilities = np.exp(logits)
-        probabilities /= probabilities.sum(axis=1, keepdims=True)
+        probabilities = softmax(embeddings @ self.vectors.T / self.temperature)
         best = probabilities.argmax(axis=1)
-        return [self.labels[i] for i in best], probabilities[np.arange(len(best)), best].astype(np.float32)
+        return [self.labels[i] for i in best], probabilities[np.arange(len(best)), best]
+
+    def outputs(self, embeddings: np.ndarray) -> dict[str, np.ndarray]:
+        """The ``intent_classifier`` outputs: ``label`` (BYTES) and ``score``, both ``[batch, 1]``."""
+        labels, scores = self.classify(embeddings)
+        return {"label": np.array(labels, dtype=np.object_).reshape(-1, 1), "score": scores.reshape(-1, 1)}
 
 
 def load_intent_examples(path: Path) -> tuple[dict[str, list[str]], float]:

@@ -34,6 +34,7 @@ from typing import Sequence
 import numpy as np
 
 from .errors import InputError
+from .scoring import softmax, top_k
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -299,21 +300,6 @@ class ImagePreprocessor:
 
 # ---------------------------------------------------------------------------------------------
 # Postprocessing
-
-
-def softmax(logits: np.ndarray) -> np.ndarray:
-    """Row-wise softmax in float64, returned as float32."""
-    values = np.asarray(logits, dtype=np.float64)
-    values = values - values.max(axis=-1, keepdims=True)
-    np.exp(values, out=values)
-    values /= values.sum(axis=-1, keepdims=True)
-    return values.astype(np.float32)
-
-
-def top_k(probabilities: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Indices (int64) and values of the k largest per row, descending; ties by lower class id."""
-    order = np.argsort(-probabilities, axis=-1, kind="stable")[..., :k].astype(np.int64, copy=False)
-    return order, np.take_along_axis(probabilities, order, axis=-1)
 
 
 def parse_top_k(parameters: dict, default: int = DEFAULT_TOP_K, maximum: int = MAX_TOP_K,

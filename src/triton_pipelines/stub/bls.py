@@ -1,14 +1,18 @@
-"""BLS responses as plain results: outputs as numpy, failures as ``RouteError`` with a reason that
-says whose fault it is (``router_service.error_kind``)."""
+"""Calling other models through BLS.
+
+The router (``call_async``): outputs as numpy, failures as ``RouteError`` with a reason that says
+whose fault it is (``router_service.error_kind``). ``whisper_decode`` (``call``,
+``call_in_batches``, ``gather_rows``): outputs kept as Triton tensors (on the gpu target they may
+live on the GPU and are passed on as they are), failures as ``UpstreamError``."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from ..errors import INPUT_ERROR_PREFIX
+from ..errors import INPUT_ERROR_PREFIX, UpstreamError
 from ..routing import RouteError
 
 # Messages of Triton's own refusals (2.51) that mean "not now" rather than "broken".
@@ -41,3 +45,45 @@ def bls_outputs(response, target: str, names: Sequence[str]) -> dict[str, np.nda
             raise RouteError("upstream_error", f"model {target} returned no output '{name}'")
         outputs[name] = tensor.as_numpy()
     return outputs
+
+
+async def call_async(target: str, inputs: Mapping[str, np.ndarray], outputs: Sequence[str]) -> dict[str, np.ndarray]:
+    """One request to ``target`` without blocking the caller's event loop (the router's calls)."""
+    request = pb_utils.InferenceRequest(model_name=target, requested_output_names=list(outputs),
+                                        inputs=[pb_utils.Tensor(name, array) for name, array in inputs.items()])
+    try:
+        response = await request.async_exec()
+    except pb_utils.TritonModelException as error:
+        raise RouteError("upstream_error", f"model {target}: {error}") from None
+    return bls_outputs(response, target, outputs)
+
+
+def call(model: str, inputs: Sequence, outputs: Sequence[str], cpu_outputs: bool = False,
+         parameters: Mapping[str, str] | None = None) -> dict:
+    """One blocking request → its output tensors by name. ``cpu_outputs``: ask for them in CPU
+    memory; ``parameters``: the request's parameters."""
+    kwargs = {"parameters": dict(parameters)} if parameters else {}
+    if cpu_outputs:
+        kwargs["preferred_memory"] = pb_utils.PreferredMemory(pb_utils.TRITONSERVER_MEMORY_CPU, 0)
+    request = pb_utils.InferenceRequest(model_name=model, inputs=list(inputs), requested_output_names=list(outputs),
+                                        **kwargs)
+    response = request.exec()
+    if response.has_error():
+        raise UpstreamError(f"{model} failed: {response.error().message()}")
+    return {tensor.name(): tensor for tensor in response.output_tensors()}
+
+
+def call_in_batches(model: str, name: str, array: np.ndarray, max_batch_size: int, outputs: Sequence[str]) -> dict:
+    """``array`` as input ``name``, one request per ``max_batch_size`` rows → the output tensors,
+    joined on the CPU when it took several requests (else the response's own tensors)."""
+    parts = [call(model, [pb_utils.Tensor(name, array[start:start + max_batch_size])], outputs)
+             for start in range(0, len(array), max_batch_size)]
+    if len(parts) == 1:
+        return parts[0]
+    return {output: pb_utils.Tensor(output, np.concatenate([part[output].as_numpy() for part in parts]))
+            for output in parts[0]}
+
+
+def gather_rows(tensors: Mapping, rows) -> dict:
+    """The given rows of CPU tensors, as new tensors of the same names."""
+    return {name: pb_utils.Tensor(name, np.ascontiguousarray(tensor.as_numpy()[rows])) for name, tensor in tensors.items()}

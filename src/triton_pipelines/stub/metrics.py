@@ -5,12 +5,13 @@ Metric per label set, created on first use."""
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 import triton_python_backend_utils as pb_utils
 
-from ..gateway import Completion
-from ..routing import RoutedRequest
+if TYPE_CHECKING:
+    from ..gateway import Completion
+    from ..routing import RoutedRequest
 
 LATENCY_BUCKETS_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
 
@@ -86,3 +87,23 @@ class RouterMetrics(MetricSet):
             for direction in ("input", "output"):
                 self("tokens", model=model, direction=direction)
             self("cost", model=model)
+
+
+class PreprocessMetrics(MetricSet):
+    """``image_preprocess``'s split of its compute time, summed over images (``vision.DecodeTiming``)."""
+
+    def __init__(self, model: str, version: str):
+        super().__init__({
+            "decode": ("image_preprocess_decode_duration_us",
+                       "Cumulative time decoding images to RGB (header checks, decompression, mode conversion)",
+                       "counter"),
+            "transform": ("image_preprocess_transform_duration_us",
+                          "Cumulative time resizing, cropping and normalizing decoded images", "counter"),
+        })
+        # Created now, so that both series exist (at 0) before the first request.
+        self.decode_us = self("decode", model=model, version=version)
+        self.transform_us = self("transform", model=model, version=version)
+
+    def record(self, timing) -> None:
+        self.decode_us.increment(timing.decode_s * 1e6)
+        self.transform_us.increment(timing.transform_s * 1e6)

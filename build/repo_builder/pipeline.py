@@ -1,0 +1,61 @@
+"""What a pipeline contributes to the repository: compute models, Python models, ensembles, assets.
+
+Each pipeline (text, vision, speech, router) is one ``Pipeline`` in its own module
+(``<name>_pipeline.py``), registered in ``repo_builder.pipelines.PIPELINES``. The assembly in
+``repository.py`` is the same for all of them. How a compute model's ONNX is made (PyTorch export,
+graph surgery) lives in ``repo_builder.export``, not here.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+from tritonclient.grpc import model_config_pb2 as mc
+
+from .compute import ComputeModel, LatencyVariant
+
+
+@dataclass
+class BuildContext:
+    target: str
+    output: Path
+    args: argparse.Namespace
+    root: Path  # the project: python_models/, ensembles/, data/ (project.find_project_root)
+
+    def compute_dir(self, name: str) -> Path:
+        return self.output / name / "1"
+
+
+class Pipeline:
+    # Folders under python_models/ and ensembles/ that this pipeline owns.
+    python_models: tuple[str, ...] = ()
+    ensembles: tuple[str, ...] = ()
+    # Latency classes of Python models that drive compute models through BLS (see variants.py).
+    python_latency_variants: dict[str, tuple[LatencyVariant, ...]] = {}
+
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        """Builder flags of this pipeline (weights sources, optional models)."""
+
+    def compute_models(self, context: BuildContext) -> list[ComputeModel]:
+        return []
+
+    def adjust_compute_model(self, model: ComputeModel, context: BuildContext) -> ComputeModel:
+        """Called with every pipeline's compute models (e.g. the router adds canary versions)."""
+        return model
+
+    def patch_config(self, config: mc.ModelConfig, context: BuildContext) -> None:
+        """Write into a Python model's or ensemble's config what depends on what was built (e.g. the
+        embedding width). The hand-written sources leave these values out, or -1 on a line marked
+        ``# builder`` (tests/test_configs.py checks it)."""
+
+    def write_assets(self, model_name: str, version_dir: Path, context: BuildContext) -> None:
+        """Put the files a Python model loads at ``initialize`` into its version folder.
+        Called after every compute model is exported."""
+
+    def model_table(self, context: BuildContext) -> list[dict]:
+        """What was built from which weights (model, architecture, weights), recorded in the
+        repository's ``.built`` (the speech tests read it to tell real weights from random ones)."""
+        return []

@@ -1,0 +1,26 @@
+"""Template, not a served model: the builder copies this file into every compute model's version
+folder on the embedded target (``model_repository/<model>/<version>/model.py``). There the Python
+backend runs the model's ONNX file with ONNX Runtime on the CPU, with the same name, tensors and
+batching as the native ``onnxruntime_onnx`` model of the gpu target (the embedded tritonserver has
+no ONNX Runtime backend). The builder generates the config. Logic, the input cache included:
+``triton_pipelines.onnx_runner.EmbeddedComputeModel``."""
+
+import json
+
+from triton_pipelines.onnx_runner import EmbeddedComputeModel
+from triton_pipelines.stub.model_args import model_parameters, version_dir
+from triton_pipelines.stub.responses import input_array, request_parameters, respond
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.model = EmbeddedComputeModel.from_config(args["model_name"], json.loads(args["model_config"]),
+                                                      model_parameters(args), version_dir(args))
+
+    def execute(self, requests):
+        return respond(requests, self.feeds, self.model.run)
+
+    def feeds(self, request):
+        given = {name: input_array(request, name) for name in self.model.input_names}
+        return self.model.feeds({name: array for name, array in given.items() if array is not None},
+                                request_parameters(request))
