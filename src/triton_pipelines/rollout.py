@@ -7,8 +7,8 @@
 
 Everything goes through Triton's model-repository API with the control key (``ControlClient``),
 the router's run-time split file and the metrics endpoint. Triton 2.51 has no rollout strategy of
-its own (no ``model_update_strategy``, no ``--model-version-selector``); what it does have, and
-what this builds on (checked against the 2.51 server and its source):
+its own (neither a config field nor a server flag; docs/operations.md maps the tutorial's invented
+ones); what it does have, and what this builds on (checked against the 2.51 server and its source):
 
 - ``load`` with a config whose ``version_policy`` adds a version loads that version beside the
   serving ones (those are only "updated": no new instances, no pause); ``model_warmup`` runs on
