@@ -214,6 +214,25 @@ def compare(name: str, unit: str, targets: dict[str, Target], peers: dict[str, C
             process.stop()
 
 
+def record_limit(result: PipelineResult, limit, batches) -> None:
+    """The in-process limit: ``limit(batch)`` → (throughput, p50 ms) for each batch; the best batch
+    is the one the saturation pairs compare with."""
+    limits = {b: limit(b) for b in batches}
+    result.limit_batch = max(limits, key=lambda b: limits[b][0])
+    result.limit_throughput = limits[result.limit_batch][0]
+    result.limit_p50_ms = limits[1][1]
+
+
+def triton_peak(result: PipelineResult) -> int:
+    """The concurrency at which Triton's throughput peaked in the comparison."""
+    return max((p for p in result.points if p.system == "Triton"), key=lambda p: p.throughput).concurrency
+
+
+def saturation_pair(result: PipelineResult, limit, served) -> None:
+    """One back-to-back pair: the in-process limit at its best batch, then Triton at its peak."""
+    result.saturation_pairs.append((limit(result.limit_batch)[0], served(triton_peak(result)).throughput))
+
+
 def text_section(server, s: bench_settings.Settings) -> PipelineResult:
     from .bench_text import in_process
     from .peers.infinity import embedding_request, start_infinity, unavailable_reason
@@ -231,21 +250,15 @@ def text_section(server, s: bench_settings.Settings) -> PipelineResult:
     else:
         result.notes.append(f"Infinity could not run here: {reason}")
     compare("text_embedding", "texts", targets, peers, s.concurrency, s.seconds, s.min_requests, server, result)
-    batches = (1, 8, 32) if s.mode == "full" else (1, 8)
-    limits = {b: in_process(repository, texts, b, seconds=s.limit_seconds) for b in batches}
-    result.limit_batch = max(limits, key=lambda b: limits[b][0])
-    result.limit_throughput = limits[result.limit_batch][0]
-    result.limit_p50_ms = limits[1][1]
+    limit = lambda batch: in_process(repository, texts, batch, seconds=s.limit_seconds)  # noqa: E731
+    served = lambda concurrency: measure(targets["Triton"], concurrency, seconds=s.seconds,  # noqa: E731
+                                         min_requests=s.min_requests)
+    record_limit(result, limit, (1, 8, 32) if s.mode == "full" else (1, 8))
     # Back-to-back pairs: in-process batch 1 p50 then Triton at concurrency 1; in-process best batch
     # then Triton at its peak concurrency.
-    peak = max((p for p in result.points if p.system == "Triton"), key=lambda p: p.throughput)
     for _ in range(s.pairs):
-        local = in_process(repository, texts, 1, seconds=s.limit_seconds)[1]
-        served = measure(targets["Triton"], 1, seconds=s.seconds, min_requests=s.min_requests).p50
-        result.added_p50_pairs.append((local, served))
-        local = in_process(repository, texts, result.limit_batch, seconds=s.limit_seconds)[0]
-        served = measure(targets["Triton"], peak.concurrency, seconds=s.seconds, min_requests=s.min_requests).throughput
-        result.saturation_pairs.append((local, served))
+        result.added_p50_pairs.append((limit(1)[1], served(1).p50))
+        saturation_pair(result, limit, served)
     return result
 
 
@@ -259,17 +272,12 @@ def vision_section(server, s: bench_settings.Settings) -> PipelineResult:
     compare("image_classification", "images", image_targets(server, images),
             {"FastAPI": lambda: start_fastapi_peer("vision", repository)},
             s.concurrency, s.seconds, s.min_requests, server, result)
-    batches = (1, 8, 16) if s.mode == "full" else (1, 8)
-    limits = {b: in_process(repository, images, b, seconds=s.limit_seconds) for b in batches}
-    result.limit_batch = max(limits, key=lambda b: limits[b][0])
-    result.limit_throughput = limits[result.limit_batch][0]
-    result.limit_p50_ms = limits[1][1]
     triton = image_targets(server, images)["Triton"]
-    peak = max((p for p in result.points if p.system == "Triton"), key=lambda p: p.throughput)
+    limit = lambda batch: in_process(repository, images, batch, seconds=s.limit_seconds)  # noqa: E731
+    record_limit(result, limit, (1, 8, 16) if s.mode == "full" else (1, 8))
     for _ in range(s.pairs):
-        local = in_process(repository, images, result.limit_batch, seconds=s.limit_seconds)[0]
-        served = measure(triton, peak.concurrency, seconds=s.seconds, min_requests=s.min_requests).throughput
-        result.saturation_pairs.append((local, served))
+        saturation_pair(result, limit, lambda concurrency: measure(
+            triton, concurrency, seconds=s.seconds, min_requests=s.min_requests))
     return result
 
 
@@ -282,19 +290,13 @@ def speech_section(server, s: bench_settings.Settings) -> PipelineResult:
     compare("speech_recognition", "clips", speech_targets(server, wav),
             {"FastAPI": lambda: start_fastapi_peer("speech", repository)},
             s.speech_concurrency, s.speech_seconds, max(8, s.min_requests // 2), server, result)
-    batches = (1, 2, 4) if s.mode == "full" else (1, 2)
     seconds = max(s.limit_seconds, 6.0)
-    limits = {b: speech_limit(repository, wav, b, seconds) for b in batches}
-    result.limit_batch = max(limits, key=lambda b: limits[b][0])
-    result.limit_throughput = limits[result.limit_batch][0]
-    result.limit_p50_ms = limits[1][1]
     triton = speech_targets(server, wav)["Triton"]
-    peak = max((p for p in result.points if p.system == "Triton"), key=lambda p: p.throughput)
+    limit = lambda batch: speech_limit(repository, wav, batch, seconds)  # noqa: E731
+    record_limit(result, limit, (1, 2, 4) if s.mode == "full" else (1, 2))
     for _ in range(s.pairs):
-        local = speech_limit(repository, wav, result.limit_batch, seconds)[0]
-        served = measure(triton, peak.concurrency, seconds=s.speech_seconds,
-                         min_requests=min(2 * peak.concurrency, s.min_requests // 2)).throughput
-        result.saturation_pairs.append((local, served))
+        saturation_pair(result, limit, lambda concurrency: measure(
+            triton, concurrency, seconds=s.speech_seconds, min_requests=min(2 * concurrency, s.min_requests // 2)))
     return result
 
 

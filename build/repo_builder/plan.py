@@ -571,10 +571,9 @@ def shm_report(needs: dict[str, int]) -> str:
 def shm_check(total: int, shm: str = "/dev/shm") -> str:
     """One line for ``--check``: /dev/shm against the stubs' need (a note, not a failure: the need is
     the worst case of every stub at a full batch at once)."""
-    import os
+    from triton_pipelines.processes import shm_capacity
 
-    stat = os.statvfs(shm)
-    size = stat.f_blocks * stat.f_frsize
+    size = shm_capacity(shm)
     verdict = "holds" if size >= total else "is SMALLER than"
     return (f"note: {shm} ({gib(size)} GiB) {verdict} what the Python-backend stubs may hold at full batches "
             f"({gib(total)} GiB; `python -m repo_builder plan --shm` itemizes it)")

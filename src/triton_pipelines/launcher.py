@@ -46,7 +46,7 @@ from pathlib import Path
 from .control import (STATE_ENV, ControlClient, private_dir, resolve_key, restricted_api_flags,
                       write_private)
 from .drain import drain
-from .processes import free_ports, remove_leftovers, spawn
+from .processes import free_ports, remove_leftovers, shm_capacity, spawn
 from .proxy import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_JSON_BYTES, ProxyConfig, ProxyProcess
 from .supervisor import LauncherMetrics, StatusServer, StubWatchdog
 
@@ -583,10 +583,9 @@ def shm_shortfall(model_repository: Path, replicas: int = 1, shm: str = "/dev/sh
     stub unable to grow its region instead of being served."""
     try:
         needed = int(json.loads((model_repository / ".built").read_text()).get("shm_bytes", 0)) * replicas
-        stat = os.statvfs(shm)
+        size = shm_capacity(shm)
     except (OSError, ValueError):
         return None
-    size = stat.f_blocks * stat.f_frsize
     if needed <= size:
         return None
     return (f"WARNING: {shm} holds {size / 2**30:.1f} GiB; the Python-backend stubs may need up to "
