@@ -38,8 +38,8 @@ CORES = os.cpu_count() or 2
 # of the served configuration on 2 cores.
 DEFAULT_BUDGETS = {"text_encoder": 250.0, "resnet50": 1500.0, "whisper_encoder": 3000.0}
 # Requests in flight per model: 16 (the tutorial's and the targets' concurrency), except the Whisper
-# encoder, whose ~0.3 s calls would wait past its 5 s queue time-out at 16 on 2 cores (whisper_decode
-# sends it one batch of windows at a time anyway).
+# encoder: 16 of its ~0.3 s calls in flight is ~5 s per call on 2 cores, and whisper_decode sends it
+# one batch of windows at a time anyway.
 CONCURRENCY = {"text_encoder": 16, "resnet50": 16, "whisper_encoder": 4}
 
 

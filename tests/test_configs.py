@@ -93,6 +93,28 @@ def test_generated_compute_configs_parse_for_every_target(target):
             assert reparsed.backend == "python"
 
 
+@pytest.mark.parametrize("target", TARGETS)
+def test_no_model_has_a_queue_policy(target):
+    """In Triton 2.51 a queue policy (time-out, timeout override, max_queue_size or priority levels)
+    turns off the dynamic batcher's prefetching, and a request that arrives while the instance is
+    busy can then wait for the batcher's 500 ms poll (build/repo_builder/compute.py). Measured: 1 in
+    8 decoding steps of a Whisper clip stalled 500 ms. Back-pressure is the front's in-flight limit."""
+    from repo_builder.variants import variant_model
+
+    context, pipelines = parse_context(["--target", target])
+    configs = {p.parent.name: parse(p.read_text()) for p in SOURCE_CONFIGS}
+    for model in (m for pipeline in pipelines for m in pipeline.compute_models(context)):
+        configs[model.name] = model.config(target)
+        for variant in model.latency_variants:
+            configs[f"{model.name}_{variant.suffix}"] = variant_model(model, variant.suffix).config(target)
+    if target == "embedded" and (ROOT / "model_repository" / ".built").exists():
+        configs.update(built_configs())
+    with_policy = [name for name, config in configs.items() if config.HasField("dynamic_batching") and (
+        config.dynamic_batching.HasField("default_queue_policy") or config.dynamic_batching.priority_levels
+        or config.dynamic_batching.priority_queue_policy)]
+    assert not with_policy
+
+
 def built_configs() -> dict[str, mc.ModelConfig]:
     repository = ROOT / "model_repository"
     if not (repository / ".built").exists():

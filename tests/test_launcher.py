@@ -152,6 +152,7 @@ def test_generated_nginx_config_is_valid_and_listens_where_asked(tmp_path):
         assert f"listen {address}:18000 " in text and f"listen {address}:18001 http2 " in text
         assert "server 127.0.0.1:19000 max_fails=0;" in text and "server 127.0.0.1:19010 max_fails=0;" in text
         assert "client_max_body_size 131072;" in text
+        assert text.count("limit_conn inflight 256;") == 3  # HTTP infer (binary and JSON), gRPC ModelInfer
         for name in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"):
             (tmp_path / name).mkdir(exist_ok=True)
         (tmp_path / "nginx.conf").write_text(text)
@@ -215,6 +216,92 @@ def test_large_bodies_pass_when_the_state_folder_is_private(tmp_path):
         proxy.stop()
         upstream.shutdown()
     assert not temp.exists()
+
+
+def test_the_front_refuses_inference_beyond_its_in_flight_limit_at_once(tmp_path):
+    """max_inflight=2 in front of an upstream that takes 1.5 s: of 5 concurrent inference requests
+    (binary and JSON bodies) 2 are served and 3 refused at once with 503, a JSON error and
+    Retry-After, before their bodies reach the upstream; health answers meanwhile; a JSON request
+    (an internal rewrite) counts once."""
+    import http.server
+    import urllib.request
+    from concurrent.futures import ThreadPoolExecutor
+
+    from triton_pipelines.launcher import free_ports
+    from triton_pipelines.proxy import ProxyConfig, ProxyProcess
+
+    reached = []
+
+    class SlowUpstream(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            reached.append(self.path)
+            time.sleep(1.5)
+            self._answer(b'{"ok": true}')
+
+        def do_GET(self):
+            self._answer(b"")
+
+        def _answer(self, body):
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    upstream = http.server.ThreadingHTTPServer(("127.0.0.1", 0), SlowUpstream)
+    threading.Thread(target=upstream.serve_forever, daemon=True).start()
+    http_port, grpc_port, metrics_port = free_ports(3)
+    proxy = ProxyProcess(ProxyConfig(listen_address="127.0.0.1", http_port=http_port, grpc_port=grpc_port,
+                                     metrics_port=metrics_port, triton_http_ports=(upstream.server_port,),
+                                     triton_grpc_ports=(upstream.server_port,), status_port=upstream.server_port,
+                                     state_dir=tmp_path / "proxy", max_inflight=2,
+                                     run_as="nobody nogroup" if os.geteuid() == 0 else None))
+    base = f"http://127.0.0.1:{http_port}"
+
+    def infer(json_body: bool):
+        headers = {} if json_body else {"Inference-Header-Content-Length": "2"}
+        request = urllib.request.Request(f"{base}/v2/models/m/infer", data=b"{}" + b"0" * 1000, headers=headers)
+        started = time.monotonic()
+        try:
+            with urllib.request.urlopen(request, timeout=10) as response:
+                return response.status, time.monotonic() - started, response.read(), None
+        except urllib.error.HTTPError as error:
+            return error.code, time.monotonic() - started, error.read(), error.headers.get("Retry-After")
+
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                urllib.request.urlopen(f"{base}/v2/health/live", timeout=2).read()
+                break
+            except (urllib.error.URLError, ConnectionError):
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        assert infer(json_body=True)[0] == 200  # alone: the JSON path's rewrite is not counted twice
+        reached.clear()
+        with ThreadPoolExecutor(5) as pool:
+            first = [pool.submit(infer, json_body=i % 2 == 0) for i in range(2)]
+            time.sleep(0.5)  # both are at the upstream
+            later = [pool.submit(infer, json_body=i % 2 == 0) for i in range(3)]
+            time.sleep(0.1)
+            with urllib.request.urlopen(f"{base}/v2/health/live", timeout=2) as health:
+                assert health.status == 200  # not an inference request: never refused
+            results = [f.result() for f in first + later]
+        served = [r for r in results if r[0] == 200]
+        refused = [r for r in results if r[0] != 200]
+        assert len(served) == 2 and len(refused) == 3, [(r[0], r[2][:80]) for r in results]
+        for status, seconds, body, retry_after in refused:
+            assert status == 503 and seconds < 0.5 and retry_after == "1", (status, body)
+            assert "limit of 2 inference requests in flight" in json.loads(body)["error"]
+        assert len(reached) == 2  # the refused bodies never reached the upstream
+    finally:
+        proxy.stop()
+        upstream.shutdown()
 
 
 def test_control_key_comes_from_the_environment_or_is_generated(monkeypatch):

@@ -29,27 +29,13 @@ TRT_ACCELERATOR_PARAMETERS = (("precision_mode", "FP16"), ("max_workspace_size_b
                               ("trt_engine_cache_enable", "1"), ("trt_engine_cache_path", "/trt_cache"))
 
 
-@dataclass(frozen=True)
-class QueuePolicy:
-    """Back-pressure: at most ``max_queue_size`` requests wait (more are refused at once with
-    UNAVAILABLE, "Exceeds maximum queue size"); one that waited ``timeout_ms`` is refused then
-    ("Request timeout expired"). A client may ask for a shorter wait (the request's timeout)."""
-    max_queue_size: int
-    timeout_ms: int
-
-    def apply(self, batching: mc.ModelDynamicBatching) -> None:
-        policy = batching.default_queue_policy
-        policy.timeout_action = mc.ModelQueuePolicy.REJECT
-        policy.default_timeout_microseconds = self.timeout_ms * 1000
-        policy.allow_timeout_override = True
-        policy.max_queue_size = self.max_queue_size
-
-
-# Realtime: a short queue (about a second or two of work on the embedded target's 2 cores); the
-# time-out covers a full batch executing ahead of a request on those cores.
-REALTIME_QUEUE = QueuePolicy(max_queue_size=128, timeout_ms=5000)
-# Throughput class: callers accept waiting for big batches, not forever.
-BATCH_QUEUE = QueuePolicy(max_queue_size=512, timeout_ms=20000)
+# No model gets a dynamic_batching.default_queue_policy. In Triton 2.51 any queue policy (a
+# time-out, allow_timeout_override or max_queue_size) turns off the dynamic batcher's prefetching
+# (core scheduler_utils.cc, PriorityQueue); the batcher then waits for an idle instance, but an
+# instance that becomes idle does not wake it (rate_limiter.cc DequeuePayload), so a request that
+# arrives while the instance is busy can sit up to the batcher's 500 ms poll. Measured here: every
+# decoding step of a BLS loop behind a busy decoder, 1 in 8 stalled 500 ms. Back-pressure is the
+# public front's in-flight limit instead (triton_pipelines.proxy, docs/operations.md).
 
 
 @dataclass(frozen=True)
@@ -60,7 +46,6 @@ class LatencyVariant:
     preferred_batch_sizes: tuple[int, ...]
     max_queue_delay_microseconds: int
     preserve_ordering: bool = True
-    queue: QueuePolicy = BATCH_QUEUE
 
 
 # The throughput ("batch") class every compute model gets unless its description says otherwise.
@@ -86,7 +71,6 @@ class ComputeModel:
     source_key: str = ""
     preferred_batch_sizes: tuple[int, ...] = ()
     max_queue_delay_microseconds: int = 0
-    queue: QueuePolicy = REALTIME_QUEUE
     embedded_cpu_threads: int = 2
     embedded_instances: int = 1
     gpu_instances: int = 1
@@ -135,7 +119,6 @@ class ComputeModel:
         batching.preferred_batch_size.extend(self.preferred_batch_sizes)
         batching.max_queue_delay_microseconds = self.max_queue_delay_microseconds
         batching.preserve_ordering = self.preserve_ordering
-        self.queue.apply(batching)
         if self.extra_versions:
             config.version_policy.specific.versions.extend(self.versions)
         self._add_warmup(config, (1,))

@@ -20,7 +20,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from triton_pipelines.speech import cross_names
 
-from .compute import ComputeModel, LatencyVariant, QueuePolicy, TensorSpec
+from .compute import ComputeModel, LatencyVariant, TensorSpec
 from .export.whisper import (ENCODER_POSITIONS, N_FRAMES, RANDOM_INIT_STD, RANDOM_SEED, WHISPER_SIZES, WhisperSource,
                              export_decoder, export_encoder, whisper_config_dict)
 from .pipeline import BuildContext, Pipeline
@@ -34,8 +34,7 @@ MAX_DECODER_BATCH = 64
 # whisper_decode drives the Whisper models through BLS, one batch at a time: their own queue delay
 # would only add latency to every decoding step. The throughput class batches in the loop instead:
 # whisper_decode_batch waits up to 50 ms for a full decode batch (speech_recognition_batch).
-SPEECH_BATCH_VARIANT = LatencyVariant("batch", preferred_batch_sizes=(8,), max_queue_delay_microseconds=50000,
-                                      queue=QueuePolicy(max_queue_size=64, timeout_ms=120000))
+SPEECH_BATCH_VARIANT = LatencyVariant("batch", preferred_batch_sizes=(8,), max_queue_delay_microseconds=50000)
 
 
 def whisper_assets_dir() -> Path:

@@ -92,7 +92,7 @@ def variant_model(model: ComputeModel, suffix: str) -> ComputeModel:
         model, name=f"{model.name}_{suffix}",
         preferred_batch_sizes=preferred_sizes(variant, model.max_batch_size),
         max_queue_delay_microseconds=variant.max_queue_delay_microseconds,
-        preserve_ordering=variant.preserve_ordering, queue=variant.queue, latency_variants=())
+        preserve_ordering=variant.preserve_ordering, latency_variants=())
 
 
 def build_latency_variants(model: ComputeModel, context: BuildContext, runner: Path) -> list[str]:
@@ -141,7 +141,6 @@ def build_python_latency_variants(name: str, variants: tuple[LatencyVariant, ...
         batching.preferred_batch_size.extend(preferred_sizes(variant, config.max_batch_size))
         batching.max_queue_delay_microseconds = variant.max_queue_delay_microseconds
         batching.preserve_ordering = variant.preserve_ordering
-        variant.queue.apply(batching)
         write_config(variant_dir / "config.pbtxt", batched)
         names.append(variant_dir.name)
     return names

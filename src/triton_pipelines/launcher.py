@@ -47,7 +47,7 @@ from .control import (STATE_ENV, ControlClient, private_dir, resolve_key, restri
                       write_private)
 from .drain import drain
 from .processes import free_ports, remove_leftovers, shm_capacity, spawn
-from .proxy import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_JSON_BYTES, ProxyConfig, ProxyProcess
+from .proxy import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_JSON_BYTES, ProxyConfig, ProxyProcess
 from .supervisor import LauncherMetrics, StatusServer, StubWatchdog
 
 __all__ = ["Launcher", "ServerOptions", "start_on_free_ports", "free_ports"]
@@ -109,6 +109,7 @@ class ServerOptions:
     models: list[str] | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_json_bytes: int = DEFAULT_MAX_JSON_BYTES
+    max_inflight: int = DEFAULT_MAX_INFLIGHT
     supervise_interval_s: float = 1.0
     # tritonservers behind the one nginx (round robin): scale-out on one machine.
     replicas: int = 1
@@ -339,7 +340,8 @@ class Launcher:
             triton_http_ports=tuple(r.internal.http for r in chosen),
             triton_grpc_ports=tuple(r.internal.grpc for r in chosen), status_port=self.status.port,
             state_dir=self.state_dir / "proxy", max_body_bytes=self.options.max_body_bytes,
-            max_json_bytes=self.options.max_json_bytes, run_as="nobody nogroup" if os.geteuid() == 0 else None)
+            max_json_bytes=self.options.max_json_bytes, max_inflight=self.options.max_inflight,
+            run_as="nobody nogroup" if os.geteuid() == 0 else None)
 
     # ------------------------------------------------------------------------- the first replica
     @property
@@ -609,6 +611,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="largest request accepted on the public ports (HTTP body or gRPC message)")
     parser.add_argument("--max-json-bytes", type=int, default=DEFAULT_MAX_JSON_BYTES,
                         help="largest JSON part of an HTTP request (Triton 2.51 crashes on large JSON)")
+    parser.add_argument("--max-inflight", type=int, default=int(os.environ.get("TRITON_MAX_INFLIGHT", DEFAULT_MAX_INFLIGHT)),
+                        help="inference requests in flight on the public ports together; more are refused at once "
+                             f"with 503 / UNAVAILABLE (default $TRITON_MAX_INFLIGHT or {DEFAULT_MAX_INFLIGHT})")
     parser.add_argument("--tritonserver", type=Path, metavar="PATH",
                         help="run this tritonserver (e.g. the container's) instead of the embedded one")
     parser.add_argument("--backend-dir", type=Path,
@@ -639,6 +644,7 @@ def main(argv: list[str] | None = None) -> int:
         state_dir=args.state_dir or Path(os.environ.get(STATE_ENV) or Path(".triton") / str(http_port)),
         max_body_bytes=args.max_body_bytes,
         max_json_bytes=args.max_json_bytes,
+        max_inflight=args.max_inflight,
         backend_dir=args.backend_dir,
         tritonserver=args.tritonserver,
         exit_timeout_secs=args.exit_timeout_secs,

@@ -11,6 +11,8 @@ and enforces, before anything is copied into Triton:
   ``max_json_bytes``; no ``Content-Encoding`` (a compressed body could inflate past both limits).
   Over a limit: 413 with a JSON error that names the limit and the remedy.
 - gRPC (HTTP/2): every message at most ``max_body_bytes``; over it, ``RESOURCE_EXHAUSTED``.
+- Inference requests in flight, both ports together: at most ``max_inflight``; one more is refused
+  at once with 503 (``Retry-After: 1``) / ``UNAVAILABLE``, before its body is read.
 - Only the public APIs pass (health, metadata, config, statistics, inference). The model-repository,
   shared-memory, logging and trace APIs answer 403 / ``PERMISSION_DENIED`` here on both protocols;
   they are also restricted with a key inside Triton (``control.py``), reachable on loopback only.
@@ -41,6 +43,10 @@ from .processes import child_pids, spawn
 DEFAULT_MAX_JSON_BYTES = 128 * 1024
 # A whole request, binary tensors included (the largest legal input is a 64 MiB audio file).
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
+# Inference requests in flight through both public ports together (every replica behind them):
+# the back-pressure of the whole server. The models have no queue policy (a Triton 2.51 policy
+# stalls its batcher, build/repo_builder/compute.py), so this bounds every queue behind the front.
+DEFAULT_MAX_INFLIGHT = 256
 
 # Public HTTP endpoints (KServe v2 + Triton's statistics/config extensions). Anything else is 404,
 # the control APIs 403.
@@ -95,6 +101,7 @@ class ProxyConfig:
     state_dir: Path  # pid file, temp bodies
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_json_bytes: int = DEFAULT_MAX_JSON_BYTES
+    max_inflight: int = DEFAULT_MAX_INFLIGHT
     workers: int = 1
     # Long enough for the slowest legal request (300 s of audio at saturation).
     upstream_timeout_s: int = 300
@@ -137,6 +144,8 @@ def render_config(config: ProxyConfig, temp_dir: Path | None = None) -> str:
         "not_found": "not found",
         "method": "method not allowed",
         "unavailable": "the inference server is starting or restarting: retry shortly",
+        "overloaded": f"the server is at its limit of {config.max_inflight} inference requests in flight: "
+                      "retry shortly",
     }
     user_line = f"user {config.run_as};\n" if config.run_as else ""
 
@@ -180,6 +189,15 @@ http {{
         "~{regex_at_most(config.max_json_bytes)}" binary;
         default bad;
     }}
+    # Back-pressure: one count of inference requests in flight for both public ports (an HTTP/2
+    # stream counts as a connection, an idle keep-alive connection does not). Over the limit: 429
+    # inside, answered as 503 / UNAVAILABLE (error pages below).
+    map $host $inflight_key {{
+        default all;
+    }}
+    limit_conn_zone $inflight_key zone=inflight:1m;
+    limit_conn_status 429;
+    limit_conn_log_level warn;  # below error_log's level: an overload does not flood the log
     map $http_content_encoding $encoding_ok {{
         "" 1;
         identity 1;
@@ -213,12 +231,14 @@ http {{
         client_max_body_size {config.max_body_bytes};
         error_page 413 = @too_large;
         error_page 502 503 504 = @unavailable;
+        error_page 429 = @overloaded;
 
         if ($encoding_ok = 0) {{
             return 415 {_json_error(messages["encoding"])};
         }}
 
         location ~ ^{_MODEL}/infer$ {{
+            limit_conn inflight {config.max_inflight};
             if ($infer_body = bad) {{
                 return 413 {_json_error(messages["bad_header_length"])};
             }}
@@ -229,8 +249,10 @@ http {{
         }}
         location ^~ /__json/ {{
             internal;
+            limit_conn inflight {config.max_inflight};
             client_max_body_size {config.max_json_bytes};
             error_page 413 = @json_too_large;
+            error_page 429 = @overloaded;  # error_page here replaces the server's
             rewrite ^/__json(/.*)$ $1 break;
             proxy_pass http://triton_http;
         }}
@@ -260,6 +282,10 @@ http {{
         location @unavailable {{
             return 503 {_json_error(messages["unavailable"])};
         }}
+        location @overloaded {{
+            add_header Retry-After 1 always;
+            return 503 {_json_error(messages["overloaded"])};
+        }}
     }}
 
     # ---------------------------------------------------------------- gRPC ({config.grpc_port})
@@ -272,7 +298,12 @@ http {{
         grpc_set_header triton-control-key "";
         error_page 413 = /__grpc_too_large;
         error_page 502 503 504 = /__grpc_unavailable;
+        error_page 429 = /__grpc_overloaded;
 
+        location = /{GRPC_SERVICE}/ModelInfer {{
+            limit_conn inflight {config.max_inflight};
+            grpc_pass grpc://triton_grpc;
+        }}
         location ~ ^/{GRPC_SERVICE.replace(".", chr(92) + ".")}/({"|".join(PUBLIC_GRPC_METHODS)})$ {{
             grpc_pass grpc://triton_grpc;
         }}
@@ -288,6 +319,7 @@ http {{
 {_grpc_error_location("__grpc_denied", GRPC_PERMISSION_DENIED, messages["control"])}\
 {_grpc_error_location("__grpc_unimplemented", GRPC_UNIMPLEMENTED, "unknown gRPC method")}\
 {_grpc_error_location("__grpc_unavailable", GRPC_UNAVAILABLE, messages["unavailable"])}\
+{_grpc_error_location("__grpc_overloaded", GRPC_UNAVAILABLE, messages["overloaded"])}\
     }}
 
     # ---------------------------------------------------------------- metrics ({config.metrics_port})
