@@ -62,7 +62,7 @@ def machine_line() -> str:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("names", nargs="*", metavar="NAME", help=f"among {BENCHMARKS}")
-    parser.add_argument("--quick", action="store_true", help="quick mode (BENCH_MODE=quick): about 16 minutes on 2 cores")
+    parser.add_argument("--quick", action="store_true", help="quick mode (BENCH_MODE=quick): about 9 minutes on 2 cores")
     parser.add_argument("--p95-ms", help="config search budget: one p95 in ms for every model, or MODEL=MS,...")
     parser.add_argument("--write-back", action="store_true",
                         help="record the config search's choice in data/compute_tuning.json for the builder")
