@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
 import threading
@@ -161,38 +162,51 @@ def test_generated_nginx_config_is_valid_and_listens_where_asked(tmp_path):
         assert check.returncode == 0, check.stderr
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="nginx switches its workers to another user only when started as root")
-def test_large_bodies_pass_when_the_state_folder_is_private(tmp_path):
-    """Started as root, nginx's workers run as nobody: bodies over their 1 MiB buffer go to temp
-    files, which must be reachable even when the state folder sits under a private one (/root,
-    pytest's 0700 temp folders). A 5 MB body reaches the upstream."""
-    import http.server
-    import urllib.request
+class FakeUpstream(http.server.BaseHTTPRequestHandler):
+    """A quiet upstream for nginx tests; subclasses answer with ``answer``."""
+    protocol_version = "HTTP/1.1"
 
+    def answer(self, body: bytes) -> None:
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def proxy_in_front_of(handler, state_dir: Path, **config):
+    """nginx (``ProxyProcess``) on free ports in front of a ``ThreadingHTTPServer`` running
+    ``handler`` for every upstream (Triton HTTP, gRPC and status): (proxy, upstream, HTTP port)."""
     from triton_pipelines.launcher import free_ports
     from triton_pipelines.proxy import ProxyConfig, ProxyProcess
 
-    class Upstream(http.server.BaseHTTPRequestHandler):
-        def do_POST(self):
-            length = len(self.rfile.read(int(self.headers["Content-Length"])))
-            body = json.dumps({"received": length}).encode()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    private = tmp_path / "private"
-    private.mkdir(mode=0o700)
-    upstream = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Upstream)
+    upstream = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=upstream.serve_forever, daemon=True).start()
     http_port, grpc_port, metrics_port = free_ports(3)
     proxy = ProxyProcess(ProxyConfig(listen_address="127.0.0.1", http_port=http_port, grpc_port=grpc_port,
                                      metrics_port=metrics_port, triton_http_ports=(upstream.server_port,),
                                      triton_grpc_ports=(upstream.server_port,), status_port=upstream.server_port,
-                                     state_dir=private / "state" / "proxy", run_as="nobody nogroup"))
+                                     state_dir=state_dir, **config))
+    return proxy, upstream, http_port
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="nginx switches its workers to another user only when started as root")
+def test_large_bodies_pass_when_the_state_folder_is_private(tmp_path):
+    """Started as root, nginx's workers run as nobody: bodies over their 1 MiB buffer go to temp
+    files, which must be reachable even when the state folder sits under a private one (/root,
+    pytest's 0700 temp folders). A 5 MB body reaches the upstream."""
+    import urllib.request
+
+    class Upstream(FakeUpstream):
+        def do_POST(self):
+            length = len(self.rfile.read(int(self.headers["Content-Length"])))
+            self.answer(json.dumps({"received": length}).encode())
+
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    proxy, upstream, http_port = proxy_in_front_of(Upstream, private / "state" / "proxy", run_as="nobody nogroup")
     try:
         temp = proxy.temp_dir
         assert not str(temp).startswith(str(private)) and (temp / "client_body").owner() == "nobody"
@@ -223,44 +237,22 @@ def test_the_front_refuses_inference_beyond_its_in_flight_limit_at_once(tmp_path
     (binary and JSON bodies) 2 are served and 3 refused at once with 503, a JSON error and
     Retry-After, before their bodies reach the upstream; health answers meanwhile; a JSON request
     (an internal rewrite) counts once."""
-    import http.server
     import urllib.request
-    from concurrent.futures import ThreadPoolExecutor
-
-    from triton_pipelines.launcher import free_ports
-    from triton_pipelines.proxy import ProxyConfig, ProxyProcess
 
     reached = []
 
-    class SlowUpstream(http.server.BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
+    class SlowUpstream(FakeUpstream):
         def do_POST(self):
             self.rfile.read(int(self.headers["Content-Length"]))
             reached.append(self.path)
             time.sleep(1.5)
-            self._answer(b'{"ok": true}')
+            self.answer(b'{"ok": true}')
 
         def do_GET(self):
-            self._answer(b"")
+            self.answer(b"")
 
-        def _answer(self, body):
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    upstream = http.server.ThreadingHTTPServer(("127.0.0.1", 0), SlowUpstream)
-    threading.Thread(target=upstream.serve_forever, daemon=True).start()
-    http_port, grpc_port, metrics_port = free_ports(3)
-    proxy = ProxyProcess(ProxyConfig(listen_address="127.0.0.1", http_port=http_port, grpc_port=grpc_port,
-                                     metrics_port=metrics_port, triton_http_ports=(upstream.server_port,),
-                                     triton_grpc_ports=(upstream.server_port,), status_port=upstream.server_port,
-                                     state_dir=tmp_path / "proxy", max_inflight=2,
-                                     run_as="nobody nogroup" if os.geteuid() == 0 else None))
+    proxy, upstream, http_port = proxy_in_front_of(SlowUpstream, tmp_path / "proxy", max_inflight=2,
+                                                   run_as="nobody nogroup" if os.geteuid() == 0 else None)
     base = f"http://127.0.0.1:{http_port}"
 
     def infer(json_body: bool):
