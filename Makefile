@@ -85,7 +85,7 @@ $(INFINITY_VENV)/.installed: requirements-bench-infinity.txt
 	  echo "Infinity could not be installed (see $(INFINITY_VENV).log); the benchmark goes on without it"; }
 	touch $@
 
-# BENCH_MODE=full (default, about 75 minutes on 2 cores) or quick (the peers and the sweep, 9 min measured);
+# BENCH_MODE=full (default, 48 min measured on 2 cores) or quick (the peers and the sweep, 9 min measured);
 # BENCH_P95_MS=... BENCH_WRITE_BACK=1 steer the config search (benchmarks/bench_sweep.py).
 BENCH_MODE ?= full
 BENCH_P95_MS ?=
