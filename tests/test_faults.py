@@ -35,7 +35,9 @@ JPEG = (Path(__file__).resolve().parent / "data" / "scene.jpg").read_bytes()
 @pytest.fixture(scope="module")
 def server(fake):
     with gateway_environment(fake.base_url, "sk-faults-" + os.urandom(8).hex()):
-        launched = start_on_free_ports(ensure_repository(), LOG_DIR / "test-faults-server.log", models=MODELS)
+        # A small in-flight limit: the saturation test reaches it within a second on any machine.
+        launched = start_on_free_ports(ensure_repository(), LOG_DIR / "test-faults-server.log", models=MODELS,
+                                       max_inflight=32)
     yield launched
     launched.stop()
 
@@ -161,8 +163,8 @@ def test_three_times_saturation_is_refused_fast_and_the_rest_keeps_a_bounded_p99
     accepted = [s for s, e in results if e is None]
     refused = [(s, e) for s, e in results if e is not None]
     print(f"capacity {capacity:.0f}/s, offered {sent / duration:.0f}/s: {len(accepted)} accepted "
-          f"(p99 {p99(accepted):.2f} s), {len(refused)} refused (p50 {statistics.median(s for s, _ in refused):.3f} s)")
-    assert refused, "3x saturation and nothing refused: the queues are not bounded"
+          f"(p99 {p99(accepted):.2f} s), {len(refused)} refused")
+    assert refused, "3x saturation and nothing refused: what is in flight is not bounded"
     assert all(e.status() == "StatusCode.UNAVAILABLE" and "inference requests in flight" in e.message()
                for _, e in refused), {e.message() for _, e in refused}
     assert statistics.median(s for s, _ in refused) < 0.25  # refused at once, not after queueing
