@@ -239,6 +239,8 @@ def test_the_front_refuses_inference_beyond_its_in_flight_limit_at_once(tmp_path
     (an internal rewrite) counts once."""
     import urllib.request
 
+    from triton_pipelines.proxy import default_worker_user
+
     reached = []
 
     class SlowUpstream(FakeUpstream):
@@ -252,7 +254,7 @@ def test_the_front_refuses_inference_beyond_its_in_flight_limit_at_once(tmp_path
             self.answer(b"")
 
     proxy, upstream, http_port = proxy_in_front_of(SlowUpstream, tmp_path / "proxy", max_inflight=2,
-                                                   run_as="nobody nogroup" if os.geteuid() == 0 else None)
+                                                   run_as=default_worker_user())
     base = f"http://127.0.0.1:{http_port}"
 
     def infer(json_body: bool):
@@ -307,3 +309,10 @@ def test_control_key_comes_from_the_environment_or_is_generated(monkeypatch):
     monkeypatch.setenv(KEY_ENV, "short:bad")
     with pytest.raises(ValueError, match="16 to 256 characters"):
         resolve_key()
+
+
+def test_an_in_flight_limit_below_one_is_refused_at_start(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        launcher.main(["--model-repository", str(ensure_repository()), "--max-inflight", "0"])
+    assert exit_info.value.code == 2
+    assert "--max-inflight must be at least 1" in capsys.readouterr().err

@@ -47,7 +47,8 @@ from .control import (STATE_ENV, ControlClient, private_dir, resolve_key, restri
                       write_private)
 from .drain import drain
 from .processes import free_ports, remove_leftovers, shm_capacity, spawn
-from .proxy import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_JSON_BYTES, ProxyConfig, ProxyProcess
+from .proxy import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_JSON_BYTES, ProxyConfig, ProxyProcess,
+                    default_worker_user)
 from .supervisor import LauncherMetrics, StatusServer, StubWatchdog
 
 __all__ = ["Launcher", "ServerOptions", "start_on_free_ports", "free_ports"]
@@ -341,7 +342,7 @@ class Launcher:
             triton_grpc_ports=tuple(r.internal.grpc for r in chosen), status_port=self.status.port,
             state_dir=self.state_dir / "proxy", max_body_bytes=self.options.max_body_bytes,
             max_json_bytes=self.options.max_json_bytes, max_inflight=self.options.max_inflight,
-            run_as="nobody nogroup" if os.geteuid() == 0 else None)
+            run_as=default_worker_user())
 
     # ------------------------------------------------------------------------- the first replica
     @property
@@ -634,6 +635,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_json_bytes > DEFAULT_MAX_JSON_BYTES:
         parser.error(f"--max-json-bytes above {DEFAULT_MAX_JSON_BYTES} lets a deeply nested JSON request "
                      f"crash tritonserver 2.51")
+    if args.max_inflight < 1:
+        parser.error("--max-inflight must be at least 1")
     http_port = _port(args.http_port, "TRITON_HTTP_PORT", DEFAULT_HTTP_PORT)
     options = ServerOptions(
         model_repository=args.model_repository,

@@ -108,6 +108,11 @@ class ProxyConfig:
     run_as: str | None = None  # the worker user when nginx starts as root
 
 
+def default_worker_user() -> str | None:
+    """Who nginx's workers run as: nobody when started as root (nginx switches only then)."""
+    return "nobody nogroup" if os.geteuid() == 0 else None
+
+
 def _json_error(message: str) -> str:
     """An nginx string literal holding ``{"error": message}`` (Triton's own error shape)."""
     return "'" + json.dumps({"error": message}).replace("\\", "\\\\").replace("'", "\\'") + "'"
