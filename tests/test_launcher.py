@@ -148,12 +148,13 @@ def test_generated_nginx_config_is_valid_and_listens_where_asked(tmp_path):
     for address in ("127.0.0.1", "0.0.0.0"):
         config = ProxyConfig(listen_address=address, http_port=18000, grpc_port=18001, metrics_port=18002,
                              triton_http_ports=(19000, 19010), triton_grpc_ports=(19001,), status_port=19002,
+                             gate_port=19003,
                              state_dir=tmp_path)
         text = render_config(config)
         assert f"listen {address}:18000 " in text and f"listen {address}:18001 http2 " in text
         assert "server 127.0.0.1:19000 max_fails=0;" in text and "server 127.0.0.1:19010 max_fails=0;" in text
         assert "client_max_body_size 131072;" in text
-        assert text.count("limit_conn inflight 256;") == 3  # HTTP infer (binary and JSON), gRPC ModelInfer
+        assert text.count("limit_conn inflight 256;") == 2  # the HTTP gate, gRPC ModelInfer
         for name in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"):
             (tmp_path / name).mkdir(exist_ok=True)
         (tmp_path / "nginx.conf").write_text(text)
@@ -184,11 +185,11 @@ def proxy_in_front_of(handler, state_dir: Path, **config):
 
     upstream = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=upstream.serve_forever, daemon=True).start()
-    http_port, grpc_port, metrics_port = free_ports(3)
+    http_port, grpc_port, metrics_port, gate_port = free_ports(4)
     proxy = ProxyProcess(ProxyConfig(listen_address="127.0.0.1", http_port=http_port, grpc_port=grpc_port,
                                      metrics_port=metrics_port, triton_http_ports=(upstream.server_port,),
                                      triton_grpc_ports=(upstream.server_port,), status_port=upstream.server_port,
-                                     state_dir=state_dir, **config))
+                                     gate_port=gate_port, state_dir=state_dir, **config))
     return proxy, upstream, http_port
 
 
@@ -309,6 +310,50 @@ def test_control_key_comes_from_the_environment_or_is_generated(monkeypatch):
     monkeypatch.setenv(KEY_ENV, "short:bad")
     with pytest.raises(ValueError, match="16 to 256 characters"):
         resolve_key()
+
+
+def test_clients_that_send_their_body_slowly_hold_no_in_flight_place(tmp_path):
+    """max_inflight=2: two clients that send headers and then dribble their bodies (a slow-loris
+    on the limit) do not keep a third, complete request out: HTTP requests are counted only once
+    nginx has their whole body."""
+    import socket
+    import urllib.request
+
+    from triton_pipelines.proxy import default_worker_user
+
+    class Upstream(FakeUpstream):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.answer(b'{"ok": true}')
+
+        def do_GET(self):
+            self.answer(b"")
+
+    proxy, upstream, http_port = proxy_in_front_of(Upstream, tmp_path / "proxy", max_inflight=2,
+                                                   run_as=default_worker_user())
+    slow = []
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v2/health/live", timeout=2).read()
+                break
+            except (urllib.error.URLError, ConnectionError):
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        for _ in range(2):
+            connection = socket.create_connection(("127.0.0.1", http_port))
+            connection.sendall(b"POST /v2/models/m/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{{")
+            slow.append(connection)
+        time.sleep(0.5)
+        request = urllib.request.Request(f"http://127.0.0.1:{http_port}/v2/models/m/infer", data=b"{}")
+        with urllib.request.urlopen(request, timeout=10) as response:
+            assert response.status == 200 and json.loads(response.read()) == {"ok": True}
+    finally:
+        for connection in slow:
+            connection.close()
+        proxy.stop()
+        upstream.shutdown()
 
 
 def test_an_in_flight_limit_below_one_is_refused_at_start(capsys):

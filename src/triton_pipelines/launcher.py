@@ -308,6 +308,7 @@ class Launcher:
             not_ready=self.not_ready_reasons,
             metrics=lambda: self.metrics.render([r.label for r in self.replicas if not r.retired]),
             retire=self.retire, key=self.key, label_replicas=options.replicas > 1)
+        self.gate_port = free_ports(1)[0]  # the proxy's in-flight gate, kept across reconfigurations
         try:
             self.replicas = [Replica(i, options, self.key, self.metrics, self.log, stdout, stderr)
                              for i in range(options.replicas)]
@@ -340,6 +341,7 @@ class Launcher:
             grpc_port=self.options.grpc_port, metrics_port=self.options.metrics_port,
             triton_http_ports=tuple(r.internal.http for r in chosen),
             triton_grpc_ports=tuple(r.internal.grpc for r in chosen), status_port=self.status.port,
+            gate_port=self.gate_port,
             state_dir=self.state_dir / "proxy", max_body_bytes=self.options.max_body_bytes,
             max_json_bytes=self.options.max_json_bytes, max_inflight=self.options.max_inflight,
             run_as=default_worker_user())

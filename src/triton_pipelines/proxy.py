@@ -12,7 +12,9 @@ and enforces, before anything is copied into Triton:
   Over a limit: 413 with a JSON error that names the limit and the remedy.
 - gRPC (HTTP/2): every message at most ``max_body_bytes``; over it, ``RESOURCE_EXHAUSTED``.
 - Inference requests in flight, both ports together: at most ``max_inflight``; one more is refused
-  at once with 503 (``Retry-After: 1``) / ``UNAVAILABLE``, before its body is read.
+  at once with 503 (``Retry-After: 1``) / ``UNAVAILABLE``. HTTP requests are counted once nginx has
+  their whole body (a loopback "gate" server after the public one), so slow senders hold no place;
+  a gRPC request is counted from its headers (its message streams through to Triton).
 - Only the public APIs pass (health, metadata, config, statistics, inference). The model-repository,
   shared-memory, logging and trace APIs answer 403 / ``PERMISSION_DENIED`` here on both protocols;
   they are also restricted with a key inside Triton (``control.py``), reachable on loopback only.
@@ -98,6 +100,9 @@ class ProxyConfig:
     triton_http_ports: tuple[int, ...]
     triton_grpc_ports: tuple[int, ...]
     status_port: int  # the launcher's status server: /metrics and /v2/health/*
+    # Loopback port of the in-flight gate: HTTP inference requests reach it with their whole body
+    # read, so a client that sends its body slowly cannot hold one of the max_inflight places.
+    gate_port: int
     state_dir: Path  # pid file, temp bodies
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_json_bytes: int = DEFAULT_MAX_JSON_BYTES
@@ -195,8 +200,8 @@ http {{
         default bad;
     }}
     # Back-pressure: one count of inference requests in flight for both public ports (an HTTP/2
-    # stream counts as a connection, an idle keep-alive connection does not). Over the limit: 429
-    # inside, answered as 503 / UNAVAILABLE (error pages below).
+    # stream counts as a connection, an idle keep-alive connection does not): in the HTTP gate and
+    # at gRPC ModelInfer. Over the limit: 429 inside, answered as 503 / UNAVAILABLE (error pages).
     map $host $inflight_key {{
         default all;
     }}
@@ -211,6 +216,10 @@ http {{
 
     upstream triton_http {{
 {servers(config.triton_http_ports)}
+        keepalive 64;
+    }}
+    upstream inflight_gate {{
+        server 127.0.0.1:{config.gate_port};
         keepalive 64;
     }}
     upstream triton_grpc {{
@@ -236,30 +245,27 @@ http {{
         client_max_body_size {config.max_body_bytes};
         error_page 413 = @too_large;
         error_page 502 503 504 = @unavailable;
-        error_page 429 = @overloaded;
 
         if ($encoding_ok = 0) {{
             return 415 {_json_error(messages["encoding"])};
         }}
 
+        # Inference goes through the gate (below) with its whole body read (proxy_request_buffering).
         location ~ ^{_MODEL}/infer$ {{
-            limit_conn inflight {config.max_inflight};
             if ($infer_body = bad) {{
                 return 413 {_json_error(messages["bad_header_length"])};
             }}
             if ($infer_body = json) {{
                 rewrite ^ /__json$uri last;
             }}
-            proxy_pass http://triton_http;
+            proxy_pass http://inflight_gate;
         }}
         location ^~ /__json/ {{
             internal;
-            limit_conn inflight {config.max_inflight};
             client_max_body_size {config.max_json_bytes};
             error_page 413 = @json_too_large;
-            error_page 429 = @overloaded;  # error_page here replaces the server's
             rewrite ^/__json(/.*)$ $1 break;
-            proxy_pass http://triton_http;
+            proxy_pass http://inflight_gate;
         }}
         location ~ ^/v2/health/(ready|live)$ {{
             client_max_body_size 1k;
@@ -287,9 +293,25 @@ http {{
         location @unavailable {{
             return 503 {_json_error(messages["unavailable"])};
         }}
+    }}
+
+    # ---------------------------------------------------------------- HTTP in-flight gate (loopback)
+    server {{
+        listen 127.0.0.1:{config.gate_port} backlog=4096;
+        client_max_body_size {config.max_body_bytes};
+        proxy_request_buffering off;  # the public server has the whole body already
+        limit_conn inflight {config.max_inflight};
+        error_page 429 = @overloaded;
+        error_page 502 503 504 = @unavailable;
+        location / {{
+            proxy_pass http://triton_http;
+        }}
         location @overloaded {{
             add_header Retry-After 1 always;
             return 503 {_json_error(messages["overloaded"])};
+        }}
+        location @unavailable {{
+            return 503 {_json_error(messages["unavailable"])};
         }}
     }}
 
