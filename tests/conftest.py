@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -93,3 +94,15 @@ def fake() -> FakeGateway:
     gateway = FakeGateway().start()
     yield gateway
     gateway.stop()
+
+
+def statistics_after(client: TritonClient, model: str, before: dict, inferences: int, timeout_s: float = 30) -> dict:
+    """``model``'s statistics once they count ``inferences`` more than ``before`` (or the time-out):
+    Triton records an execution after execute returns, which can be after the clients have their
+    responses."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        after = client.statistics(model)["model_stats"][0]
+        if int(after["inference_count"]) - int(before["inference_count"]) >= inferences or time.monotonic() > deadline:
+            return after
+        time.sleep(0.1)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -18,6 +17,8 @@ import soundfile
 from triton_pipelines.client import InferenceServerException, TritonClient, text_tensor
 from triton_pipelines.speech import (SAMPLE_RATE, WhisperOnnx, WhisperTokenizer, audio_to_features,
                                      join_transcript, load_mel_filters)
+
+from .conftest import statistics_after
 
 DATA = Path(__file__).resolve().parent / "data"
 HELLO = (DATA / "speech_hello.wav").read_bytes()  # 3.8 s, espeak-ng
@@ -121,14 +122,7 @@ def test_concurrent_requests_are_decoded_together_and_match(triton_server, http_
     finally:
         for c in clients:
             c.close()
-    # Triton records an execution's statistics after execute returns, which can be after the
-    # clients have their responses: wait for them (bounded).
-    deadline = time.monotonic() + 30
-    while True:
-        after = http_client.statistics("whisper_decode")["model_stats"][0]
-        if after["inference_count"] - before["inference_count"] >= len(jobs) or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
+    after = statistics_after(http_client, "whisper_decode", before, len(jobs))
     assert after["inference_count"] - before["inference_count"] == len(jobs)
     assert after["execution_count"] - before["execution_count"] < len(jobs)
     for (audio, bound), out in zip(jobs, results):

@@ -12,6 +12,8 @@ from triton_pipelines.client import InferenceServerException, TritonClient, text
 from triton_pipelines.onnx_runner import OnnxBatchRunner
 from triton_pipelines.text import TextTokenizer, mean_pool_normalize
 
+from .conftest import statistics_after
+
 MIXED_LENGTH_TEXTS = [
     "hi",
     "Triton batches requests of different lengths when they share a length bucket.",
@@ -61,7 +63,7 @@ def test_concurrent_requests_of_different_lengths_share_batches(http_client, tri
     clients = [TritonClient("grpc", triton_server.grpc_url) for _ in range(16)]
     with ThreadPoolExecutor(16) as pool:
         results = list(pool.map(lambda i: embed(clients[i % 16], [texts[i]])[0], range(len(texts))))
-    after = http_client.statistics("text_encoder")["model_stats"][0]
+    after = statistics_after(http_client, "text_encoder", before, len(texts))
     for c in clients:
         c.close()
     inferences = after["inference_count"] - before["inference_count"]

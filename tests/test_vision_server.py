@@ -20,6 +20,8 @@ from triton_pipelines.client import InferenceServerException, TritonClient, text
 from triton_pipelines.onnx_runner import onnx_session
 from triton_pipelines.vision import Classifier, load_labels, preprocess_image
 
+from .conftest import statistics_after
+
 DATA = Path(__file__).resolve().parent / "data"
 GOOD = ["scene.jpg", "scene_exif_orientation6.jpg", "scene_alpha.png", "scene_palette.png", "scene.webp",
         "scene.bmp", "scene_cmyk.jpg", "animated.gif", "gray16.png", "pixel_1x1.png", "tall_strip.png"]
@@ -179,7 +181,7 @@ def test_concurrent_mixed_batch_bad_inputs_fail_alone(client, triton_server, ref
 
     with ThreadPoolExecutor(12) as pool:
         results = list(pool.map(run, range(len(jobs))))
-    after = http_client.statistics("image_preprocess")["model_stats"][0]
+    after = statistics_after(http_client, "image_preprocess", before, len(jobs))
     for c in clients:
         c.close()
     for (kind, name), result in zip(jobs, results):
