@@ -31,7 +31,10 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc as grpc_module
 import numpy as np
+import tritonclient.grpc as grpcclient
+from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from triton_pipelines.client import InferenceServerException, TritonClient, text_tensor
 from triton_pipelines.launcher import start_on_free_ports
@@ -73,7 +76,7 @@ class Soak:
         try:
             call()
             outcome = "failed" if expect_refusal else "ok"
-        except (InferenceServerException, urllib.error.URLError, OSError) as error:
+        except (InferenceServerException, urllib.error.URLError, OSError, grpc_module.RpcError) as error:
             outcome = "refused" if expect_refusal else "failed"
             if outcome == "failed":
                 with self.lock:
@@ -117,6 +120,21 @@ class Soak:
             with urllib.request.urlopen(request, timeout=30) as response:
                 return response.read()
 
+        one_text = [{"name": "text", "shape": [1, 1], "datatype": "BYTES", "data": ["hi"]}]
+
+        def image_input():
+            tensor = grpcclient.InferInput("image", [1, 1], "BYTES")
+            tensor.set_data_from_numpy(text_tensor([self.jpeg]))
+            return tensor
+
+        def gzip_infer():
+            """1 MiB of zeros in ~1 KB of gzip: Triton would inflate it."""
+            with grpc_module.insecure_channel(self.server.grpc_url, compression=grpc_module.Compression.Gzip) as channel:
+                request = service_pb2.ModelInferRequest(model_name="text_embedding")
+                request.inputs.add(name="text", datatype="BYTES").shape.extend([1, 1])
+                request.raw_input_contents.append((2**20).to_bytes(4, "little") + bytes(2**20))
+                service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request, timeout=30)
+
         attacks = [
             lambda: post("/v2/models/text_embedding/infer", json.dumps({"id": "x" * 4_200_000, "inputs": []}).encode()),
             lambda: post("/v2/models/text_embedding/infer", b'{"id":' + b"[" * 150_000 + b"]" * 150_000 + b"}"),
@@ -127,6 +145,19 @@ class Soak:
             lambda: grpc.infer("router", {"task": text_tensor(["text_classification"]),
                                           "payload": text_tensor(['{"text": ' + "[" * 50_000 + "]" * 50_000 + "}"])}),
             lambda: grpc.infer("speech_recognition", {"audio": text_tensor([b"RIFF....WAVEfmt "])}),
+            # Issue 19's one-request crashers and bypasses (screen.py, proxy.py): each must be refused
+            # while tritonserver keeps running (the report counts its restarts).
+            lambda: post("/v2/models/text_classification/infer", json.dumps({"inputs": one_text, "outputs": [
+                {"name": "label", "parameters": {"classification": 1}}]}).encode()),
+            lambda: grpc.client.infer("image_classification", [image_input()], outputs=[
+                grpcclient.InferRequestedOutput("labels", class_count=1)]),
+            lambda: post("/v2/models/text_embedding/infer", b'{"id":' + b"[" * 131_066),
+            lambda: post("/v2/models/text_embedding/infer", b"", {"Content-Length": "0"}),
+            lambda: post("/v2/models/text_embedding/infer", json.dumps({"inputs": [
+                {**one_text[0], "shape": [4294967297, 1]}]}).encode()),
+            lambda: post("/v2/models/whisper_decoder/infer", json.dumps({"inputs": one_text}).encode()),
+            lambda: post("/v2/models/" + "m" * 8000 + "/infer", b"{}"),
+            lambda: gzip_infer(),
         ]
         i = 0
         while not self.stop.is_set():
@@ -205,6 +236,9 @@ class Soak:
         self.stop.set()
         for worker in workers:
             worker.join()
+        metrics = urllib.request.urlopen(self.server.metrics_url, timeout=10).read().decode()
+        self.triton_restarts = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                                   if line.startswith("launcher_tritonserver_restarts_total"))
 
 
 def rss(pid: int) -> int:
@@ -281,7 +315,8 @@ faults. One run on one machine ({os.cpu_count()} cores, shared: latencies includ
 ## Summary
 
 - {len(records)} requests: {totals['ok']} answered, {totals['refused']} hostile requests refused as they should be,
-  **{unexpected} unexpected failures** (the killed stub's window and the hung gateway's calls apart).
+  **{unexpected} unexpected failures** (the killed stub's window and the hung gateway's calls apart),
+  **{soak.triton_restarts:.0f} restarts of tritonserver** (the hostile client's one-request crashers included).
 {gateway_line}- **Killed stub**: image_preprocess's stub was killed at {kill[0]:.0f} s; the image requests that failed
   in the 15 s after it are counted apart (the watchdog reloads the model within seconds).{recovery}
 

@@ -4,6 +4,8 @@ crashed tritonserver. Each proves its guarantee through the public ports."""
 
 from __future__ import annotations
 
+import http.client
+import json
 import os
 import signal
 import statistics
@@ -176,6 +178,75 @@ def test_three_times_saturation_is_refused_fast_and_the_rest_keeps_a_bounded_p99
         c.close()
 
 
+def hung_router_inputs(marker: str) -> list:
+    inputs = []
+    for name, value in (("task", "general_llm"), ("payload", json.dumps({"text": marker}))):
+        tensor = grpcclient.InferInput(name, [1, 1], "BYTES")
+        tensor.set_data_from_numpy(text_tensor([value]))
+        inputs.append(tensor)
+    return inputs
+
+
+def embed_from(server, source: str) -> int:
+    """One text_embedding request over HTTP from the loopback address ``source``."""
+    host, port = server.http_url.rsplit(":", 1)
+    connection = http.client.HTTPConnection(host, int(port), timeout=60, source_address=(source, 0))
+    body = json.dumps({"inputs": [{"name": "text", "shape": [1, 1], "datatype": "BYTES", "data": ["neighbour"]}]})
+    connection.request("POST", "/v2/models/text_embedding/infer", body=body)
+    status = connection.getresponse().status
+    connection.close()
+    return status
+
+
+def test_one_greedy_client_is_refused_before_its_neighbours(server, fake):
+    """One gRPC connection with 40 calls in flight (each held by a hung gateway) against a server
+    limit of 32: the client gets its share (16), the rest of its calls are refused at once, and
+    a neighbour on another address is served. Before, the greedy client took all 32."""
+    share = server.options.max_inflight // 2
+    fake.reset()
+    fake.when("greedy", Reply(delay_s=20))
+    greedy = grpcclient.InferenceServerClient(server.grpc_url)
+    results, lock = [], threading.Lock()
+
+    def done(result, error):
+        with lock:
+            results.append(error)
+    try:
+        for i in range(40):
+            greedy.async_infer("router", hung_router_inputs(f"greedy {i}"), done)
+        deadline = time.monotonic() + 30
+        while len(results) < 40 - share and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with lock:
+            refused = [e for e in results if e is not None]
+        assert len(refused) == 40 - share, [e.message() for e in refused[:3]]
+        assert all(e.status() == "StatusCode.UNAVAILABLE" and f"share of {share}" in e.message() for e in refused)
+        # the neighbours are served while the greedy client holds its share
+        assert [embed_from(server, "127.0.0.2") for _ in range(5)] == [200] * 5
+        # the same over HTTP: one address's 24 concurrent requests, 8 refused with this client's limit
+        host, port = server.http_url.rsplit(":", 1)
+
+        def greedy_http(i):
+            connection = http.client.HTTPConnection(host, int(port), timeout=60, source_address=("127.0.0.3", 0))
+            body = json.dumps({"inputs": [
+                {"name": "task", "shape": [1, 1], "datatype": "BYTES", "data": ["general_llm"]},
+                {"name": "payload", "shape": [1, 1], "datatype": "BYTES", "data": [json.dumps({"text": f"greedy {i}"})]}]})
+            connection.request("POST", "/v2/models/router/infer", body=body)
+            response = connection.getresponse()
+            return response.status, response.read()
+
+        fake.reset()  # the gRPC client's calls end
+        fake.when("greedy", Reply(delay_s=3))
+        with ThreadPoolExecutor(24) as pool:
+            answers = list(pool.map(greedy_http, range(24)))
+        client_refusals = [b for s, b in answers if s == 503 and b"this client (its address)" in b]
+        assert len(client_refusals) >= 24 - share, answers[:3]
+        assert sum(s == 200 for s, _ in answers) <= share
+    finally:
+        fake.reset()
+        greedy.close()
+
+
 def test_a_crashed_tritonserver_is_restarted_and_its_leftovers_removed(server):
     old_pid = server.process.pid
     old_stubs = find_stubs(old_pid)
@@ -199,7 +270,7 @@ def test_a_killed_stub_is_back_within_seconds_and_nothing_else_fails(server):
     """kill -9 of image_preprocess's stub under load: the watchdog reloads the model; readiness says
     so meanwhile; text requests never fail; images are served again within 10 s."""
     stop = threading.Event()
-    text_failures, image_ok, image_failed, not_ready = [], [], [], []
+    text_failures, image_ok, image_failed, not_ready, image_errors = [], [], [], [], []
 
     def text_load():
         client = TritonClient("grpc", server.grpc_url)
@@ -215,8 +286,9 @@ def test_a_killed_stub_is_back_within_seconds_and_nothing_else_fails(server):
             try:
                 client.infer("image_classification", {"image": text_tensor([JPEG])})
                 image_ok.append(time.monotonic())
-            except InferenceServerException:
+            except InferenceServerException as error:
                 image_failed.append(time.monotonic())
+                image_errors.append((error.status(), error.message()))
                 time.sleep(0.05)
 
     def readiness():
@@ -250,6 +322,11 @@ def test_a_killed_stub_is_back_within_seconds_and_nothing_else_fails(server):
     assert back and back[0] - killed_at <= 10, "image_classification did not come back within 10 s"
     assert not text_failures, text_failures[:3]
     assert not_ready and not_ready[0] >= killed_at  # readiness saw the dead stub
+    # at once (a look at /proc per probe), not after the watchdog's next pass and confirmation
+    assert not_ready[0] - killed_at < 1.0, not_ready[0] - killed_at
+    # what a client meets meanwhile is retryable and says so (Triton itself answers INTERNAL)
+    assert all(status == "StatusCode.UNAVAILABLE" and "retry" in message for status, message in image_errors), \
+        image_errors[:3]
     assert ready(server)
     after = metric(scrape(server.metrics_url), "launcher_stub_restarts_total", model="image_preprocess")
     assert after - before == 1
@@ -326,3 +403,4 @@ def test_requests_whose_grpc_clients_gave_up_are_not_executed(tmp_path):
         assert int(stats["inference_stats"]["fail"]["count"]) >= 4, stats
     finally:
         slow.stop()
+

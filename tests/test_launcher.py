@@ -148,13 +148,19 @@ def test_generated_nginx_config_is_valid_and_listens_where_asked(tmp_path):
     for address in ("127.0.0.1", "0.0.0.0"):
         config = ProxyConfig(listen_address=address, http_port=18000, grpc_port=18001, metrics_port=18002,
                              triton_http_ports=(19000, 19010), triton_grpc_ports=(19001,), status_port=19002,
-                             gate_port=19003,
+                             screen_http_ports=(19004, 19014), screen_grpc_ports=(19005, 19015),
+                             gate_port=19003, max_inflight_per_client=64,
                              state_dir=tmp_path)
         text = render_config(config)
         assert f"listen {address}:18000 " in text and f"listen {address}:18001 http2 " in text
         assert "server 127.0.0.1:19000 max_fails=0;" in text and "server 127.0.0.1:19010 max_fails=0;" in text
         assert "client_max_body_size 131072;" in text
         assert text.count("limit_conn inflight 256;") == 2  # the HTTP gate, gRPC ModelInfer
+        # one client's share: both HTTP infer locations (JSON and binary) and gRPC ModelInfer
+        assert text.count("limit_conn perclient 64;") == 3
+        # inference goes through the request screens, round robin like the replicas
+        assert "server 127.0.0.1:19004 max_fails=0;" in text and "server 127.0.0.1:19015 max_fails=0;" in text
+        assert "proxy_pass http://screen_http;" in text and "grpc_pass grpc://screen_grpc;" in text
         for name in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"):
             (tmp_path / name).mkdir(exist_ok=True)
         (tmp_path / "nginx.conf").write_text(text)
@@ -189,6 +195,8 @@ def proxy_in_front_of(handler, state_dir: Path, **config):
     proxy = ProxyProcess(ProxyConfig(listen_address="127.0.0.1", http_port=http_port, grpc_port=grpc_port,
                                      metrics_port=metrics_port, triton_http_ports=(upstream.server_port,),
                                      triton_grpc_ports=(upstream.server_port,), status_port=upstream.server_port,
+                                     screen_http_ports=(upstream.server_port,),
+                                     screen_grpc_ports=(upstream.server_port,),
                                      gate_port=gate_port, state_dir=state_dir, **config))
     return proxy, upstream, http_port
 

@@ -32,6 +32,9 @@ class Pipeline:
     # Folders under python_models/ and ensembles/ that this pipeline owns.
     python_models: tuple[str, ...] = ()
     ensembles: tuple[str, ...] = ()
+    # Python models clients call directly (besides the ensembles and their variants): the public
+    # ports serve inference for these and the ensembles only (``public_models`` in ``.built``).
+    entry_points: tuple[str, ...] = ()
     # Latency classes of Python models that drive compute models through BLS (see variants.py).
     python_latency_variants: dict[str, tuple[LatencyVariant, ...]] = {}
 

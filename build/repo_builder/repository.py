@@ -149,6 +149,10 @@ def planned_shm(context: BuildContext, pipelines: list[Pipeline]) -> dict[str, i
     return shm_needs(configs, bounds)
 
 
+def is_ensemble(model_dir: Path) -> bool:
+    return read_config(model_dir / "config.pbtxt").platform == "ensemble"
+
+
 def build_repository(context: BuildContext, pipelines: list[Pipeline]) -> list[str]:
     started = time.monotonic()
     context.output.mkdir(parents=True, exist_ok=True)
@@ -176,7 +180,9 @@ def build_repository(context: BuildContext, pipelines: list[Pipeline]) -> list[s
             shutil.rmtree(stale)
     compile_model_files(context.output)
     rows = [row for pipeline in pipelines for row in pipeline.model_table(context)]
-    stamp = {"target": context.target, "models": built, "model_table": rows,
+    entry_points = {name for pipeline in pipelines for name in pipeline.entry_points}
+    public = sorted(name for name in built if name in entry_points or is_ensemble(context.output / name))
+    stamp = {"target": context.target, "models": built, "public_models": public, "model_table": rows,
              "compute_models": {model.name: compute_model_facts(model) for model in compute_models}}
     (context.output / ".built").write_text(json.dumps(stamp, indent=2))
     # The stubs' /dev/shm, from what was just written (the planner reads configs and the stamp).

@@ -23,6 +23,7 @@ def canary_versions(routes_file: Path) -> dict[str, tuple[tuple[int, str], ...]]
 
 class RouterPipeline(Pipeline):
     python_models = ("router",)
+    entry_points = ("router",)
 
     def adjust_compute_model(self, model: ComputeModel, context: BuildContext) -> ComputeModel:
         versions = canary_versions(context.root / ROUTES_FILE).get(model.name)

@@ -111,6 +111,11 @@ class ServerOptions:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_json_bytes: int = DEFAULT_MAX_JSON_BYTES
     max_inflight: int = DEFAULT_MAX_INFLIGHT
+    # None: half of max_inflight; 0: no per-client share (see proxy.ProxyConfig).
+    max_inflight_per_client: int | None = None
+    # Inference on the public ports for the pipelines and the router only (the builder's
+    # public_models in .built); True: every model, internal steps included (benchmarks of one model).
+    expose_internal_models: bool = False
     supervise_interval_s: float = 1.0
     # tritonservers behind the one nginx (round robin): scale-out on one machine.
     replicas: int = 1
@@ -171,11 +176,13 @@ class Replica:
     restart after a crash. ``--replicas N`` runs N of them behind the one nginx."""
 
     def __init__(self, index: int, options: ServerOptions, key: str, metrics: LauncherMetrics, log,
-                 stdout=None, stderr=None):
+                 stdout=None, stderr=None, public_models: Path | None = None):
         self.index, self.label = index, str(index)
         self.options, self.key, self.metrics, self.log = options, key, metrics, log
         self.stdout, self.stderr = stdout, stderr
+        self.public_models = public_models
         self.internal = InternalPorts(*free_ports(3))
+        self.screen_ports = tuple(free_ports(2))  # (HTTP, gRPC) of this replica's request screen
         self.shm_prefix = f"triton_pipelines_{os.getpid()}_{self.internal.http}_"
         self.control = ControlClient(f"{LOOPBACK}:{self.internal.http}", key)
         self.watchdog = StubWatchdog(self.control, lambda: self.process.pid, metrics, log, replica=self.label)
@@ -184,6 +191,29 @@ class Replica:
         self.quick_crashes = 0
         self.started_at = time.monotonic()
         self.process = self._start()
+        self.screen = self._start_screen()
+
+    def _start_screen(self) -> subprocess.Popen:
+        """This replica's request screen (screen_server.py): nginx sends it every inference request."""
+        command = [sys.executable, "-m", "triton_pipelines.screen_server",
+                   f"--http-port={self.screen_ports[0]}", f"--grpc-port={self.screen_ports[1]}",
+                   f"--triton-http={LOOPBACK}:{self.internal.http}", f"--triton-grpc={LOOPBACK}:{self.internal.grpc}",
+                   f"--max-body-bytes={self.options.max_body_bytes}"]
+        if self.public_models is not None:
+            command.append(f"--public-models-file={self.public_models}")
+        return spawn(command, stdout=self.stdout, stderr=self.stderr, start_new_session=True)
+
+    def screen_alive(self) -> bool:
+        return self.screen.poll() is None
+
+    def restart_screen(self) -> None:
+        self.log(f"the request screen{self._which()} exited with code {self.screen.returncode}; restarting it")
+        with self.metrics.lock:
+            self.metrics.screen_restarts += 1
+        self.screen = self._start_screen()
+
+    def _which(self) -> str:
+        return f" (replica {self.label})" if self.options.replicas > 1 else ""
 
     def _start(self) -> subprocess.Popen:
         embedded = self.options.tritonserver is None
@@ -206,9 +236,10 @@ class Replica:
             return False
 
     def healthy(self) -> bool:
-        """Fit to be sent requests: running, ready, every Python stub alive."""
-        return (not self.retired and not self.restarting and self.alive() and not self.watchdog.dead
-                and self.triton_ready())
+        """Fit to be sent requests: running, ready, every Python stub alive (as of now, not only as of
+        the watchdog's last pass)."""
+        return (not self.retired and not self.restarting and self.alive() and self.screen_alive()
+                and not self.watchdog.dead and not self.watchdog.missing_now() and self.triton_ready())
 
     def wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -267,6 +298,34 @@ class Replica:
                 self.process.kill()
                 self.process.wait()
         remove_leftovers(self.process.pid, self.shm_prefix)
+        if self.screen_alive():
+            self.screen.terminate()
+            try:
+                self.screen.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.screen.kill()
+
+
+def public_models_file(options: ServerOptions, state_dir: Path) -> Path | None:
+    """The models whose inference the public ports serve, as the builder recorded them in ``.built``
+    (``public_models``), written to the state folder for the screens; None: every model."""
+    if options.expose_internal_models:
+        return None
+    try:
+        names = json.loads((options.model_repository / ".built").read_text()).get("public_models")
+    except (OSError, ValueError):
+        return None
+    if names is None:
+        return None
+    path = state_dir / "public_models.json"
+    path.write_text(json.dumps(names))
+    return path
+
+
+def per_client_share(options: ServerOptions) -> int:
+    if options.max_inflight_per_client is None:
+        return max(1, options.max_inflight // 2)
+    return options.max_inflight_per_client
 
 
 class Launcher:
@@ -310,13 +369,15 @@ class Launcher:
             retire=self.retire, key=self.key, label_replicas=options.replicas > 1)
         self.gate_port = free_ports(1)[0]  # the proxy's in-flight gate, kept across reconfigurations
         try:
-            self.replicas = [Replica(i, options, self.key, self.metrics, self.log, stdout, stderr)
+            public_models = public_models_file(options, self.state_dir)
+            self.replicas = [Replica(i, options, self.key, self.metrics, self.log, stdout, stderr, public_models)
                              for i in range(options.replicas)]
             self.routed = tuple(range(options.replicas))
             self.proxy = ProxyProcess(self._proxy_config(self.routed), stdout=stdout, stderr=stderr)
         except Exception:
             for replica in self.replicas:
                 replica.process.kill()
+                replica.screen.kill()
             self.status.close()
             raise
         first = self.replicas[0]
@@ -340,11 +401,13 @@ class Launcher:
             listen_address=self.options.listen_address, http_port=self.options.http_port,
             grpc_port=self.options.grpc_port, metrics_port=self.options.metrics_port,
             triton_http_ports=tuple(r.internal.http for r in chosen),
-            triton_grpc_ports=tuple(r.internal.grpc for r in chosen), status_port=self.status.port,
+            triton_grpc_ports=tuple(r.internal.grpc for r in chosen),
+            screen_http_ports=tuple(r.screen_ports[0] for r in chosen),
+            screen_grpc_ports=tuple(r.screen_ports[1] for r in chosen), status_port=self.status.port,
             gate_port=self.gate_port,
             state_dir=self.state_dir / "proxy", max_body_bytes=self.options.max_body_bytes,
             max_json_bytes=self.options.max_json_bytes, max_inflight=self.options.max_inflight,
-            run_as=default_worker_user())
+            max_inflight_per_client=per_client_share(self.options), run_as=default_worker_user())
 
     # ------------------------------------------------------------------------- the first replica
     @property
@@ -469,6 +532,8 @@ class Launcher:
                     self.metrics.proxy_restarts += 1
                 self.proxy.restart()
             for replica in [r for r in self.replicas if not r.retired]:
+                if not replica.screen_alive() and not self.stopping.is_set():
+                    replica.restart_screen()
                 if not replica.alive() and not self.stopping.is_set():
                     replica.restart(self.stopping)
                     continue
@@ -576,6 +641,10 @@ def start_on_free_ports(model_repository: Path, log_path: Path, extra_args: list
     return server
 
 
+def _optional_int(text: str | None) -> int | None:
+    return int(text) if text not in (None, "") else None
+
+
 def _port(flag_value: int | None, env_name: str, default: int) -> int:
     if flag_value is not None:
         return flag_value
@@ -617,6 +686,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-inflight", type=int, default=int(os.environ.get("TRITON_MAX_INFLIGHT", DEFAULT_MAX_INFLIGHT)),
                         help="inference requests in flight on the public ports together; more are refused at once "
                              f"with 503 / UNAVAILABLE (default $TRITON_MAX_INFLIGHT or {DEFAULT_MAX_INFLIGHT})")
+    parser.add_argument("--max-inflight-per-client", type=int,
+                        default=_optional_int(os.environ.get("TRITON_MAX_INFLIGHT_PER_CLIENT")),
+                        help="one client address's share of --max-inflight; more from it are refused first "
+                             "(default $TRITON_MAX_INFLIGHT_PER_CLIENT or half of --max-inflight; 0: no share). "
+                             "Behind a load balancer or NAT every client has its address: raise it or use 0")
+    parser.add_argument("--expose-internal-models", action="store_true",
+                        help="serve inference for every model on the public ports, not only the pipelines and "
+                             "the router (e.g. to measure one compute model with perf_analyzer)")
     parser.add_argument("--tritonserver", type=Path, metavar="PATH",
                         help="run this tritonserver (e.g. the container's) instead of the embedded one")
     parser.add_argument("--backend-dir", type=Path,
@@ -639,6 +716,8 @@ def main(argv: list[str] | None = None) -> int:
                      f"crash tritonserver 2.51")
     if args.max_inflight < 1:
         parser.error("--max-inflight must be at least 1")
+    if args.max_inflight_per_client is not None and args.max_inflight_per_client < 0:
+        parser.error("--max-inflight-per-client must be 0 (no share) or more")
     http_port = _port(args.http_port, "TRITON_HTTP_PORT", DEFAULT_HTTP_PORT)
     options = ServerOptions(
         model_repository=args.model_repository,
@@ -650,6 +729,8 @@ def main(argv: list[str] | None = None) -> int:
         max_body_bytes=args.max_body_bytes,
         max_json_bytes=args.max_json_bytes,
         max_inflight=args.max_inflight,
+        max_inflight_per_client=args.max_inflight_per_client,
+        expose_internal_models=args.expose_internal_models,
         backend_dir=args.backend_dir,
         tritonserver=args.tritonserver,
         exit_timeout_secs=args.exit_timeout_secs,

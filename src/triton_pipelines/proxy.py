@@ -15,6 +15,10 @@ and enforces, before anything is copied into Triton:
   at once with 503 (``Retry-After: 1``) / ``UNAVAILABLE``. HTTP requests are counted once nginx has
   their whole body (a loopback "gate" server after the public one), so slow senders hold no place;
   a gRPC request is counted from its headers (its message streams through to Triton).
+- Inference requests go to each replica's request screen (``screen_server.py``), which reads the
+  body nginx cannot (crashers inside the size limits, non-public models); the rest goes to Triton.
+- One client (its address) holds at most ``max_inflight_per_client`` of those places, and one
+  HTTP/2 connection at most 128 streams; the request line and each header at most 8 KiB.
 - Only the public APIs pass (health, metadata, config, statistics, inference). The model-repository,
   shared-memory, logging and trace APIs answer 403 / ``PERMISSION_DENIED`` here on both protocols;
   they are also restricted with a key inside Triton (``control.py``), reachable on loopback only.
@@ -52,7 +56,8 @@ DEFAULT_MAX_INFLIGHT = 256
 
 # Public HTTP endpoints (KServe v2 + Triton's statistics/config extensions). Anything else is 404,
 # the control APIs 403.
-_MODEL = r"/v2/models/[^/]+(/versions/[0-9]+)?"
+# Model names are at most 256 characters (ours are short); longer URLs never reach Triton.
+_MODEL = r"/v2/models/[^/]{1,256}(/versions/[0-9]{1,19})?"
 CONTROL_HTTP_PATTERN = (r"^/v2/(repository|systemsharedmemory|cudasharedmemory|logging|trace)(/|$)"
                         r"|^/v2/models/[^/]+(/versions/[0-9]+)?/trace/")
 # gRPC methods that pass; every other GRPCInferenceService method is a control API (or streaming,
@@ -65,6 +70,8 @@ GRPC_PERMISSION_DENIED = 7
 GRPC_RESOURCE_EXHAUSTED = 8
 GRPC_UNIMPLEMENTED = 12
 GRPC_UNAVAILABLE = 14
+# nginx's buffers for the request line and each header: longer ones are refused with 400.
+HEADER_BUFFER_KB = 8
 
 
 def nginx_binary() -> str:
@@ -99,6 +106,9 @@ class ProxyConfig:
     # tritonserver's loopback ports, one per replica in service (round robin between them)
     triton_http_ports: tuple[int, ...]
     triton_grpc_ports: tuple[int, ...]
+    # The request screen of each of those replicas (screen_server.py): inference goes through it.
+    screen_http_ports: tuple[int, ...]
+    screen_grpc_ports: tuple[int, ...]
     status_port: int  # the launcher's status server: /metrics and /v2/health/*
     # Loopback port of the in-flight gate: HTTP inference requests reach it with their whole body
     # read, so a client that sends its body slowly cannot hold one of the max_inflight places.
@@ -107,6 +117,9 @@ class ProxyConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_json_bytes: int = DEFAULT_MAX_JSON_BYTES
     max_inflight: int = DEFAULT_MAX_INFLIGHT
+    # One client's share of max_inflight (its address; 0: no share), so one greedy client is refused
+    # before its neighbours are. Behind a proxy or NAT every client has the proxy's address: raise it.
+    max_inflight_per_client: int = 0
     workers: int = 1
     # Long enough for the slowest legal request (300 s of audio at saturation).
     upstream_timeout_s: int = 300
@@ -149,6 +162,9 @@ def render_config(config: ProxyConfig, temp_dir: Path | None = None) -> str:
         "bad_header_length": "Inference-Header-Content-Length must be a decimal number of bytes, at most "
                              f"{config.max_json_bytes} ({json_kb}): {binary_hint}",
         "encoding": "compressed request bodies (Content-Encoding) are not accepted: send the body uncompressed",
+        "grpc_encoding": "compressed gRPC messages (grpc-encoding) are not accepted: send them uncompressed",
+        "uri_too_long": f"the request line is longer than {HEADER_BUFFER_KB} KiB",
+        "header_too_large": f"a request header is longer than {HEADER_BUFFER_KB} KiB",
         "control": "this API is not available on the public port: the model-repository, shared-memory, "
                    "logging and trace APIs are restricted to the server's own host",
         "not_found": "not found",
@@ -156,7 +172,16 @@ def render_config(config: ProxyConfig, temp_dir: Path | None = None) -> str:
         "unavailable": "the inference server is starting or restarting: retry shortly",
         "overloaded": f"the server is at its limit of {config.max_inflight} inference requests in flight: "
                       "retry shortly",
+        "grpc_overloaded": f"the server is at its limit of {config.max_inflight} inference requests in flight"
+                           + (f", or this client (its address) at its share of {config.max_inflight_per_client}"
+                              if config.max_inflight_per_client else "") + ": retry shortly",
+        "client_overloaded": f"this client (its address) is at its limit of {config.max_inflight_per_client} "
+                             "inference requests in flight: retry shortly",
     }
+    per_client = config.max_inflight_per_client
+    # One client's in-flight count, by its address: counted from its headers (a client that sends
+    # its body slowly holds only its own places), before the server's count in the gate.
+    client_limit = f"limit_conn perclient {per_client};" if per_client else ""
     user_line = f"user {config.run_as};\n" if config.run_as else ""
 
     def servers(ports: tuple[int, ...]) -> str:
@@ -188,7 +213,8 @@ http {{
     client_body_timeout 30s;
     send_timeout 60s;
     keepalive_timeout 75s;
-    large_client_header_buffers 4 16k;
+    # Longer request lines and headers are refused here (Triton's HTTP server fails on them).
+    large_client_header_buffers 4 {HEADER_BUFFER_KB}k;
     client_body_buffer_size 1m;
     default_type application/json;
 
@@ -206,9 +232,15 @@ http {{
         default all;
     }}
     limit_conn_zone $inflight_key zone=inflight:1m;
+    limit_conn_zone $binary_remote_addr zone=perclient:10m;
     limit_conn_status 429;
     limit_conn_log_level warn;  # below error_log's level: an overload does not flood the log
     map $http_content_encoding $encoding_ok {{
+        "" 1;
+        identity 1;
+        default 0;
+    }}
+    map $http_grpc_encoding $grpc_encoding_ok {{
         "" 1;
         identity 1;
         default 0;
@@ -224,6 +256,14 @@ http {{
     }}
     upstream triton_grpc {{
 {servers(config.triton_grpc_ports)}
+        keepalive 64;
+    }}
+    upstream screen_http {{
+{servers(config.screen_http_ports)}
+        keepalive 64;
+    }}
+    upstream screen_grpc {{
+{servers(config.screen_grpc_ports)}
         keepalive 64;
     }}
     upstream launcher_status {{
@@ -245,19 +285,23 @@ http {{
         client_max_body_size {config.max_body_bytes};
         error_page 413 = @too_large;
         error_page 502 503 504 = @unavailable;
+        error_page 414 = @uri_too_long;
+        error_page 494 = @header_too_large;
 
         if ($encoding_ok = 0) {{
             return 415 {_json_error(messages["encoding"])};
         }}
 
         # Inference goes through the gate (below) with its whole body read (proxy_request_buffering).
-        location ~ ^{_MODEL}/infer$ {{
+        location ~ "^{_MODEL}/infer$" {{
             if ($infer_body = bad) {{
                 return 413 {_json_error(messages["bad_header_length"])};
             }}
             if ($infer_body = json) {{
                 rewrite ^ /__json$uri last;
             }}
+            {client_limit}
+            error_page 429 = @client_overloaded;
             proxy_pass http://inflight_gate;
         }}
         location ^~ /__json/ {{
@@ -265,6 +309,8 @@ http {{
             client_max_body_size {config.max_json_bytes};
             error_page 413 = @json_too_large;
             rewrite ^/__json(/.*)$ $1 break;
+            {client_limit}
+            error_page 429 = @client_overloaded;
             proxy_pass http://inflight_gate;
         }}
         location ~ ^/v2/health/(ready|live)$ {{
@@ -274,11 +320,13 @@ http {{
         location ~ {CONTROL_HTTP_PATTERN} {{
             return 403 {_json_error(messages["control"])};
         }}
-        location ~ ^(/v2|/v2/models/stats|{_MODEL}(/ready|/config|/stats)?)$ {{
+        location ~ "^(/v2|/v2/models/stats|{_MODEL}(/ready|/config|/stats)?)$" {{
             client_max_body_size 1k;
             if ($request_method !~ ^(GET|HEAD)$) {{
                 return 405 {_json_error(messages["method"])};
             }}
+            # Triton needs none of the client's headers here (nor their size).
+            proxy_pass_request_headers off;
             proxy_pass http://triton_http;
         }}
         location / {{
@@ -289,6 +337,16 @@ http {{
         }}
         location @json_too_large {{
             return 413 {_json_error(messages["json_too_large"])};
+        }}
+        location @uri_too_long {{
+            return 414 {_json_error(messages["uri_too_long"])};
+        }}
+        location @header_too_large {{
+            return 431 {_json_error(messages["header_too_large"])};
+        }}
+        location @client_overloaded {{
+            add_header Retry-After 1 always;
+            return 503 {_json_error(messages["client_overloaded"])};
         }}
         location @unavailable {{
             return 503 {_json_error(messages["unavailable"])};
@@ -304,12 +362,13 @@ http {{
         error_page 429 = @overloaded;
         error_page 502 503 504 = @unavailable;
         location / {{
-            proxy_pass http://triton_http;
+            proxy_pass http://screen_http;
         }}
         location @overloaded {{
             add_header Retry-After 1 always;
             return 503 {_json_error(messages["overloaded"])};
         }}
+
         location @unavailable {{
             return 503 {_json_error(messages["unavailable"])};
         }}
@@ -319,17 +378,23 @@ http {{
     server {{
         listen {address}:{config.grpc_port} http2 backlog=4096;
         client_max_body_size {config.max_body_bytes};
-        http2_max_concurrent_streams 256;
+        # Streams of one connection: beyond them a client queues its own calls.
+        http2_max_concurrent_streams {max(1, min(128, per_client or config.max_inflight))};
         grpc_read_timeout {config.upstream_timeout_s}s;
         grpc_send_timeout {config.upstream_timeout_s}s;
         grpc_set_header triton-control-key "";
         error_page 413 = /__grpc_too_large;
         error_page 502 503 504 = /__grpc_unavailable;
         error_page 429 = /__grpc_overloaded;
+        error_page 415 = /__grpc_compressed;
 
         location = /{GRPC_SERVICE}/ModelInfer {{
+            if ($grpc_encoding_ok = 0) {{
+                return 415;
+            }}
             limit_conn inflight {config.max_inflight};
-            grpc_pass grpc://triton_grpc;
+            {client_limit}
+            grpc_pass grpc://screen_grpc;
         }}
         location ~ ^/{GRPC_SERVICE.replace(".", chr(92) + ".")}/({"|".join(PUBLIC_GRPC_METHODS)})$ {{
             grpc_pass grpc://triton_grpc;
@@ -346,7 +411,8 @@ http {{
 {_grpc_error_location("__grpc_denied", GRPC_PERMISSION_DENIED, messages["control"])}\
 {_grpc_error_location("__grpc_unimplemented", GRPC_UNIMPLEMENTED, "unknown gRPC method")}\
 {_grpc_error_location("__grpc_unavailable", GRPC_UNAVAILABLE, messages["unavailable"])}\
-{_grpc_error_location("__grpc_overloaded", GRPC_UNAVAILABLE, messages["overloaded"])}\
+{_grpc_error_location("__grpc_overloaded", GRPC_UNAVAILABLE, messages["grpc_overloaded"])}\
+{_grpc_error_location("__grpc_compressed", GRPC_UNIMPLEMENTED, messages["grpc_encoding"])}\
     }}
 
     # ---------------------------------------------------------------- metrics ({config.metrics_port})

@@ -43,6 +43,7 @@ class LauncherMetrics:
         self.lock = threading.Lock()
         self.server_restarts: Counter[str] = Counter()
         self.proxy_restarts = 0
+        self.screen_restarts = 0
         self.stub_restarts: Counter[str] = Counter()
         self.model_ready: dict[tuple[str, str, str], int] = {}  # (replica, model, version) → 0|1
 
@@ -64,6 +65,10 @@ class LauncherMetrics:
                 "# HELP launcher_proxy_restarts_total nginx (the public front) restarted after an unexpected exit",
                 "# TYPE launcher_proxy_restarts_total counter",
                 f"launcher_proxy_restarts_total {self.proxy_restarts}",
+                "# HELP launcher_screen_restarts_total request screens (screen_server.py) restarted after an "
+                "unexpected exit",
+                "# TYPE launcher_screen_restarts_total counter",
+                f"launcher_screen_restarts_total {self.screen_restarts}",
                 "# HELP launcher_stub_restarts_total Models reloaded because one of their Python-backend stub "
                 "processes died",
                 "# TYPE launcher_stub_restarts_total counter",
@@ -186,9 +191,23 @@ class StubWatchdog:
         self.detect()
         return self.repair()
 
+    def missing_now(self) -> dict[str, list[str]]:
+        """Models with a stub that was running at the last pass and is gone now (one /proc scan, no
+        control call, nothing changed): readiness says so at once, before ``detect`` confirms it."""
+        expected = [identity for identities in list(self.expected.values()) for identity in identities]
+        if not expected:
+            return {}
+        alive = {stub.identity for stub in find_stubs(self.server_pid()) if stub.serves_requests}
+        missing: dict[str, list[str]] = {}
+        for identity in expected:
+            if identity not in alive:
+                missing.setdefault(identity[0], []).append(identity[2])
+        return missing
+
     def problems(self) -> list[str]:
+        dead = self.dead or self.missing_now()
         return [f"model '{m}': Python stub(s) {', '.join(sorted(i))} died (reloading)"
-                for m, i in sorted(self.dead.items())]
+                for m, i in sorted(dead.items())]
 
 
 class StatusServer:

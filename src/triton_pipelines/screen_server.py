@@ -1,0 +1,275 @@
+"""The request screen's servers: one process per tritonserver replica, between nginx and Triton.
+
+nginx sends every inference request here (HTTP ``/v2/models/<m>/infer`` with its whole body, gRPC
+``ModelInfer``); each is checked (``screen.py``) and either refused with a clear error or forwarded,
+byte for byte, to its replica's loopback ports. Triton's answer comes back unchanged, except that
+a request that met a dead Python stub becomes a retryable 503 / ``UNAVAILABLE``. Metadata, health
+and statistics go from nginx to Triton directly.
+
+    python -m triton_pipelines.screen_server --http-port P --grpc-port Q \\
+        --triton-http 127.0.0.1:A --triton-grpc 127.0.0.1:B --max-body-bytes N [--public-models-file F]
+
+HTTP from nginx is well-formed HTTP/1.1 with a ``Content-Length`` (nginx buffered the body); the
+forwarder speaks exactly that, with a pool of keep-alive connections to Triton.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import signal
+import sys
+from pathlib import Path
+from urllib.parse import unquote
+
+from .screen import ScreenError, ScreenPolicy, check_grpc_request, check_http_request, restarting_model_message
+
+GRPC_INFER_METHOD = "/inference.GRPCInferenceService/ModelInfer"
+_INFER_PATH = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]*))?/infer$")
+_HOP_HEADERS = {b"connection", b"keep-alive", b"transfer-encoding", b"te", b"upgrade", b"proxy-connection"}
+UPSTREAM_TIMEOUT_S = 300.0
+IDLE_UPSTREAM_CONNECTIONS = 64
+
+
+def http_response(status: int, body: bytes, extra: list[tuple[bytes, bytes]] = ()) -> bytes:
+    reason = {200: b"OK", 400: b"Bad Request", 404: b"Not Found", 411: b"Length Required",
+              502: b"Bad Gateway", 503: b"Service Unavailable"}.get(status, b"Error")
+    head = [b"HTTP/1.1 %d %s" % (status, reason), b"Content-Type: application/json",
+            b"Content-Length: %d" % len(body)] + [name + b": " + value for name, value in extra]
+    return b"\r\n".join(head) + b"\r\n\r\n" + body
+
+
+def error_body(message: str) -> bytes:
+    return json.dumps({"error": message}).encode()
+
+
+class Upstream:
+    """Keep-alive HTTP/1.1 connections to one Triton HTTP port."""
+
+    def __init__(self, address: str):
+        self.host, port = address.rsplit(":", 1)
+        self.port = int(port)
+        self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+
+    async def connection(self):
+        while self.idle:
+            reader, writer = self.idle.pop()
+            if not writer.is_closing() and not reader.at_eof():
+                return reader, writer
+            writer.close()
+        return await asyncio.open_connection(self.host, self.port, limit=2**20)
+
+    def release(self, reader, writer, reusable: bool) -> None:
+        if reusable and len(self.idle) < IDLE_UPSTREAM_CONNECTIONS:
+            self.idle.append((reader, writer))
+        else:
+            writer.close()
+
+
+async def read_head(reader: asyncio.StreamReader) -> tuple[bytes, list[tuple[bytes, bytes]]] | None:
+    try:
+        raw = await reader.readuntil(b"\r\n\r\n")
+    except asyncio.IncompleteReadError:
+        return None
+    lines = raw[:-4].split(b"\r\n")
+    headers = []
+    for line in lines[1:]:
+        name, _, value = line.partition(b":")
+        headers.append((name.strip().lower(), value.strip()))
+    return lines[0], headers
+
+
+def header(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes | None:
+    for key, value in headers:
+        if key == name:
+            return value
+    return None
+
+
+async def read_body(reader: asyncio.StreamReader, headers) -> bytes:
+    length = header(headers, b"content-length")
+    if length is not None:
+        return await reader.readexactly(int(length))
+    if (header(headers, b"transfer-encoding") or b"").lower() == b"chunked":
+        chunks = []
+        while True:
+            size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
+            if size == 0:
+                await reader.readuntil(b"\r\n")  # no trailers from Triton
+                return b"".join(chunks)
+            chunks.append(await reader.readexactly(size))
+            await reader.readexactly(2)
+    return b""
+
+
+class HttpScreen:
+    def __init__(self, policy: ScreenPolicy, upstream: Upstream):
+        self.policy, self.upstream = policy, upstream
+
+    def check(self, target: bytes, headers, body: bytes) -> None:
+        path = unquote(target.split(b"?", 1)[0].decode("latin-1"))
+        found = _INFER_PATH.match(path)
+        if found is None:
+            raise ScreenError("not found", 404, "NOT_FOUND")
+        json_length = header(headers, b"inference-header-content-length")
+        size = len(body) if json_length is None else int(json_length)
+        if size > len(body):
+            raise ScreenError(f"Inference-Header-Content-Length ({size}) is longer than the body ({len(body)} bytes)")
+        check_http_request(self.policy, found.group(1), found.group(2) or "", body[:size], len(body) - size)
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await read_head(reader)
+                if head is None:
+                    break
+                request_line, headers = head
+                if header(headers, b"transfer-encoding") is not None:
+                    writer.write(http_response(411, error_body("send a Content-Length")))
+                    break
+                body = await reader.readexactly(int(header(headers, b"content-length") or 0))
+                try:
+                    self.check(request_line.split(b" ")[1], headers, body)
+                except ScreenError as error:
+                    writer.write(http_response(error.status, error_body(str(error))))
+                    await writer.drain()
+                    continue
+                writer.write(await self.forward(request_line, headers, body))
+                await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError, IndexError):
+            pass
+        finally:
+            writer.close()
+
+    async def forward(self, request_line: bytes, headers, body: bytes) -> bytes:
+        head = [request_line] + [name + b": " + value for name, value in headers
+                                 if name not in _HOP_HEADERS and name != b"content-length"]
+        head.append(b"Content-Length: %d" % len(body))
+        message = b"\r\n".join(head) + b"\r\n\r\n"
+        for attempt in (0, 1):  # a pooled connection Triton closed meanwhile: once more on a new one
+            reader, writer = await self.upstream.connection()
+            try:
+                writer.write(message)
+                writer.write(body)
+                await writer.drain()
+                answer = await asyncio.wait_for(read_head(reader), UPSTREAM_TIMEOUT_S)
+                if answer is None:
+                    raise ConnectionResetError("Triton closed the connection")
+                status_line, response_headers = answer
+                response_body = await asyncio.wait_for(read_body(reader, response_headers), UPSTREAM_TIMEOUT_S)
+            except (ConnectionError, asyncio.IncompleteReadError, OSError) as error:
+                writer.close()
+                if attempt == 0 and not isinstance(error, asyncio.IncompleteReadError):
+                    continue
+                return http_response(503, error_body("the inference server is starting or restarting: retry shortly"),
+                                     [(b"Retry-After", b"1")])
+            except asyncio.TimeoutError:
+                writer.close()
+                return http_response(503, error_body("the inference server did not answer in time"))
+            keep = (header(response_headers, b"connection") or b"").lower() != b"close"
+            self.upstream.release(reader, writer, keep)
+            status = int(status_line.split(b" ")[1])
+            if status == 500:
+                restarting = restarting_model_message(response_body.decode("utf-8", "replace"))
+                if restarting:
+                    return http_response(503, error_body(restarting), [(b"Retry-After", b"1")])
+            out = [status_line] + [name + b": " + value for name, value in response_headers
+                                   if name not in _HOP_HEADERS and name != b"content-length"]
+            out.append(b"Content-Length: %d" % len(response_body))
+            return b"\r\n".join(out) + b"\r\n\r\n" + response_body
+        raise AssertionError("unreachable")
+
+
+class GrpcScreen:
+    """ModelInfer only, as raw bytes both ways: checked, then forwarded with the caller's metadata
+    and deadline; the caller's cancellation cancels the forwarded call."""
+
+    _DROP = {"user-agent", "grpc-accept-encoding", "grpc-encoding", "te", "content-type"}
+
+    def __init__(self, policy: ScreenPolicy, triton_grpc: str, max_message_bytes: int):
+        import grpc
+
+        self.grpc = grpc
+        self.policy = policy
+        self.channel = grpc.aio.insecure_channel(triton_grpc, options=[
+            ("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)])
+        self.call = self.channel.unary_unary(GRPC_INFER_METHOD)
+        self.max_message_bytes = max_message_bytes
+
+    def handler(self):
+        grpc = self.grpc
+        screen = self
+
+        class Handler(grpc.GenericRpcHandler):
+            def service(self, details):
+                if details.method == GRPC_INFER_METHOD:
+                    return grpc.unary_unary_rpc_method_handler(screen.infer)
+                return None
+        return Handler()
+
+    async def infer(self, request: bytes, context) -> bytes:
+        grpc = self.grpc
+        try:
+            check_grpc_request(self.policy, request)
+        except ScreenError as error:
+            await context.abort(getattr(grpc.StatusCode, error.grpc_code), str(error))
+        metadata = tuple((k, v) for k, v in context.invocation_metadata() if k not in self._DROP)
+        try:
+            return await self.call(request, timeout=context.time_remaining(), metadata=metadata)
+        except grpc.aio.AioRpcError as error:
+            code, details = error.code(), error.details() or ""
+            restarting = restarting_model_message(details) if code == grpc.StatusCode.INTERNAL else None
+            if restarting:
+                code, details = grpc.StatusCode.UNAVAILABLE, restarting
+            elif code == grpc.StatusCode.UNAVAILABLE:
+                details = "the inference server is starting or restarting: retry shortly"
+            await context.abort(code, details)
+
+
+def load_public_models(path: Path | None) -> frozenset[str] | None:
+    if path is None:
+        return None
+    names = json.loads(path.read_text())
+    return None if names is None else frozenset(names)
+
+
+async def run(args: argparse.Namespace) -> None:
+    import grpc
+
+    policy = ScreenPolicy(max_body_bytes=args.max_body_bytes, public_models=load_public_models(args.public_models_file))
+    http = HttpScreen(policy, Upstream(args.triton_http))
+    http_server = await asyncio.start_server(http.serve, "127.0.0.1", args.http_port, limit=2**20, backlog=4096)
+    grpc_screen = GrpcScreen(policy, args.triton_grpc, args.max_body_bytes)
+    grpc_server = grpc.aio.server(options=[
+        ("grpc.max_receive_message_length", args.max_body_bytes + 2**20),
+        ("grpc.max_send_message_length", -1),
+        ("grpc.max_concurrent_streams", 4096)])
+    grpc_server.add_generic_rpc_handlers((grpc_screen.handler(),))
+    if grpc_server.add_insecure_port(f"127.0.0.1:{args.grpc_port}") == 0:
+        raise SystemExit(f"cannot listen on 127.0.0.1:{args.grpc_port}")
+    await grpc_server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    await stop.wait()
+    http_server.close()
+    await grpc_server.stop(grace=5)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--http-port", type=int, required=True)
+    parser.add_argument("--grpc-port", type=int, required=True)
+    parser.add_argument("--triton-http", required=True)
+    parser.add_argument("--triton-grpc", required=True)
+    parser.add_argument("--max-body-bytes", type=int, required=True)
+    parser.add_argument("--public-models-file", type=Path)
+    asyncio.run(run(parser.parse_args(argv)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
