@@ -8,7 +8,8 @@ parser that cannot be driven into deep recursion, and refused with a message nam
 - the classification extension (``parameters.classification`` on a requested output): on a BYTES
   output, Triton divides by the element size 0 and dies (SIGFPE). Our pipelines return top-k
   themselves, so the extension is refused on every output, both protocols;
-- JSON that Triton's recursive parser cannot take (deep nesting, balanced or not), duplicate keys
+- JSON that Triton's recursive parser cannot take (deep nesting, balanced or not: CPython's C parser
+  here stops at its recursion limit, linear time otherwise), duplicate keys
   (our parser and Triton's could then see different requests), anything but an object;
 - shapes Triton truncates to 32 bits (``[4294967297, 1]`` is served as batch 1): every dimension
   must be at least 1, and the element count at most the body limit;
@@ -27,9 +28,11 @@ import re
 from dataclasses import dataclass
 from typing import Iterable
 
-# Deeper than any KServe v2 request needs (a tensor of rank r nests r + 3 deep), far below the
-# ~104,000 at which Triton 2.51's parser overflows its stack.
-MAX_JSON_DEPTH = 64
+# How deep the screen's JSON parser (CPython's, in C) nests before it stops with RecursionError:
+# the interpreter's recursion limit, 1,000 by default; far deeper than any KServe v2 request needs
+# (a tensor of rank r nests r + 3 deep), far below the ~104,000 at which Triton 2.51's parser
+# overflows its stack. Nothing deeper is ever forwarded.
+MAX_JSON_DEPTH = 1000
 # Triton keeps dimensions as int64 but batches with 32-bit counts: anything larger is refused.
 MAX_DIMENSION = 2**31 - 1
 # Longest model name echoed in an error (a name can be 8 KB long).
@@ -106,48 +109,26 @@ def check_input_parameter_names(input_name: str, names: Iterable[str]) -> None:
 
 # ------------------------------------------------------------------------------------------ HTTP
 def _reject_duplicates(pairs: list) -> dict:
-    result = {}
-    for key, value in pairs:
-        if key in result:
-            raise ScreenError(f"the JSON object has the key '{echo(key)}' twice")
-        result[key] = value
+    result = dict(pairs)
+    if len(result) != len(pairs):
+        seen = set()
+        key = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise ScreenError(f"the JSON object has the key '{echo(key)}' twice")
     return result
-
-
-def json_depth_ok(data: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
-    """Whether brackets outside strings nest at most ``limit`` deep: one pass, no recursion, so
-    that neither this parser nor Triton's meets an unbounded depth (balanced or not)."""
-    depth = 0
-    in_string = escaped = False
-    for byte in data:
-        if in_string:
-            if escaped:
-                escaped = False
-            elif byte == 0x5C:  # backslash
-                escaped = True
-            elif byte == 0x22:
-                in_string = False
-        elif byte == 0x22:
-            in_string = True
-        elif byte in (0x5B, 0x7B):
-            depth += 1
-            if depth > limit:
-                return False
-        elif byte in (0x5D, 0x7D):
-            depth -= 1
-    return True
 
 
 def parse_json_header(data: bytes) -> dict:
     if not data.strip():
         raise ScreenError("the request body is empty: an inference request is a JSON object with 'inputs'")
-    if not json_depth_ok(data):
-        raise ScreenError(f"the request's JSON nests deeper than {MAX_JSON_DEPTH} levels")
     try:
+        # C parser, linear time, no deeper than MAX_JSON_DEPTH whether brackets balance or not.
         header = json.loads(data, object_pairs_hook=_reject_duplicates)
     except ScreenError:
         raise
-    except (ValueError, RecursionError) as error:
+    except RecursionError:
+        raise ScreenError(f"the request's JSON nests deeper than the screen's limit (about {MAX_JSON_DEPTH} "
+                          "levels)") from None
+    except ValueError as error:
         raise ScreenError(f"the request body is not valid JSON: {str(error)[:200]}") from None
     if not isinstance(header, dict):
         kind = {list: "an array", str: "a string", type(None): "null", bool: "a boolean"}.get(type(header), "a number")
