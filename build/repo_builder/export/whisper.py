@@ -37,6 +37,30 @@ WHISPER_SIZES = {
                      decoder_attention_heads=20, encoder_ffn_dim=5120, decoder_ffn_dim=5120,
                      num_mel_bins=128, vocab_size=51866),
 }
+
+
+def parameter_count(size: str) -> int:
+    """Parameters of a Whisper architecture (large-v3: 1.55 B), from its dimensions."""
+    c = WHISPER_SIZES[size]
+    d = c["d_model"]
+    layer = lambda attention_blocks, ffn: attention_blocks * (4 * d * d + 4 * d) + 2 * d * ffn + ffn + d + (2 + attention_blocks) * 2 * d  # noqa: E731
+    encoder = c["encoder_layers"] * layer(1, c["encoder_ffn_dim"]) + 3 * d * (c["num_mel_bins"] + d) + 1500 * d
+    decoder = c["decoder_layers"] * layer(2, c["decoder_ffn_dim"]) + c["vocab_size"] * d + 448 * d
+    return encoder + decoder
+
+
+# What exporting a Whisper size needs in memory, an estimate (large-v3 was not exported on our 24 GiB
+# machines): the torch model, the legacy exporter's copy of every initializer in the graph it
+# serializes, and onnx.load of the decoder again in share_tied_embedding: three fp32 copies of the
+# weights, plus 2 GiB for torch, the interpreter and the encoder's activations. large-v3: ~19.3 GiB.
+EXPORT_WEIGHT_COPIES = 3
+EXPORT_OVERHEAD_BYTES = 2 << 30
+
+
+def export_memory_bytes(size: str) -> int:
+    return EXPORT_WEIGHT_COPIES * 4 * parameter_count(size) + EXPORT_OVERHEAD_BYTES
+
+
 RANDOM_INIT_STD = 0.1
 RANDOM_SEED = 0
 N_FRAMES = 3000
