@@ -8,7 +8,7 @@ BENCH_INSTALLED := $(VENV)/.bench-installed
 TARGET ?= embedded
 BUILD_FLAGS ?=
 
-.PHONY: install repository serve test bench bench-quick soak lifecycle clean prometheus-tools dashboard k8s-rules
+.PHONY: install repository serve test bench bench-quick soak lifecycle clean prometheus-tools dashboard k8s-rules rehearse
 
 install: $(INSTALLED)
 
@@ -42,6 +42,14 @@ serve: repository
 
 test: repository prometheus-tools
 	$(PY) -m pytest -ra
+
+# Build and run the shipped images with podman (docker/Dockerfile and docker-compose.yml unedited):
+# podman, runc and debootstrap from Debian, local stand-ins for the base images, the three targets,
+# the cpu profile end to end through Docker Compose v2 on free ports, the gpu profile as far as a
+# machine without a GPU allows. One line per step; non-zero on any failure. Root, as on our machines.
+# Logic: src/triton_pipelines/rehearse.py (README, "Two ways to run").
+rehearse: install
+	$(PY) -m triton_pipelines.rehearse
 
 # promtool and prometheus for the monitoring tests (tests/test_prometheus*.py): Debian's package
 # (2.42 on bookworm). Its post-install may start the system service: stop it, the tests start

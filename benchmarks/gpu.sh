@@ -34,7 +34,9 @@ if [[ ! -f "$VENV/.installed" ]]; then
   "$VENV/bin/pip" install --quiet --no-deps -e .
   touch "$VENV/.installed"
 fi
-"$VENV/bin/python" -c "import onnxruntime as ort; p = ort.get_available_providers(); print('[gpu] onnxruntime', ort.__version__, p); assert 'CUDAExecutionProvider' in p"
+# A real session on CUDA, not get_available_providers() (which lists CUDA even when it cannot load:
+# onnxruntime-gpu 1.31 needs driver >= 580): fails loudly instead of benchmarking the CPU.
+"$VENV/bin/python" -m benchmarks.gpu_check
 
 "$VENV/bin/python" -m repo_builder --target embedded --output "$REPOSITORY" --with-bert-base \
   --embedded-execution-providers "$PROVIDERS"

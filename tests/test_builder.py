@@ -71,3 +71,29 @@ def test_gpu_target_rewrites_only_configs(built, tiny_checkpoint):
     assert not (built / "text_encoder" / "1" / "model.py").exists()
     assert onnx.stat().st_mtime_ns == before
     assert read_config(built / "text_tokenizer" / "config.pbtxt").backend == "python"
+
+
+def test_every_folder_and_file_is_readable_by_another_user(built):
+    """The builder runs as root, the servers as uid 1000: no 0700 folder (mkdtemp) or 0600 file."""
+    import stat
+
+    unreadable = [str(path.relative_to(built)) for path in [built, *built.rglob("*")]
+                  if not path.is_symlink() and (
+                      (path.is_dir() and (path.stat().st_mode & 0o005) != 0o005)
+                      or (path.is_file() and not path.stat().st_mode & stat.S_IROTH))]
+    assert not unreadable, f"not readable by others: {unreadable[:10]}"
+
+
+def test_replace_dir_leaves_a_readable_folder(tmp_path):
+    from repo_builder.files import replace_dir
+
+    def fill(folder):
+        (folder / "1").mkdir()
+        (folder / "1" / "model.onnx").write_bytes(b"x")
+        (folder / "config.pbtxt").write_text("name: 'm'")
+        (folder / "config.pbtxt").chmod(0o600)
+
+    replace_dir(tmp_path / "m", fill)
+    assert (tmp_path / "m").stat().st_mode & 0o777 == 0o755
+    assert (tmp_path / "m" / "1").stat().st_mode & 0o777 == 0o755
+    assert (tmp_path / "m" / "config.pbtxt").stat().st_mode & 0o777 == 0o644

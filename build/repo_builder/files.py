@@ -34,12 +34,31 @@ def mark_fresh(directory: Path, key: str) -> None:
     (directory / STAMP).write_text(key)
 
 
+def make_readable(root: Path) -> None:
+    """Folders 0755-ish and files 0644-ish under ``root`` (read bits added for group and others).
+
+    The builder runs as root (its container) while both servers run as uid 1000: whatever it writes
+    must be readable, and its folders traversable, by another user. ``tempfile.mkdtemp`` makes 0700.
+    """
+    for path in [root, *root.rglob("*")]:
+        if path.is_symlink():
+            continue
+        mode = path.stat().st_mode & 0o7777
+        wanted = mode | (0o755 if path.is_dir() else 0o644)
+        if wanted != mode:
+            os.chmod(path, wanted)
+
+
 def replace_dir(final: Path, fill) -> None:
-    """Build a directory in a temp sibling with ``fill(tmp)``, then swap it in atomically-ish."""
+    """Build a directory in a temp sibling with ``fill(tmp)``, then swap it in atomically-ish.
+
+    The result is readable by every user (see ``make_readable``), whatever mkdtemp's 0700 was.
+    """
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     try:
         fill(tmp)
+        make_readable(tmp)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)

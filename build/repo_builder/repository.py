@@ -22,7 +22,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 from .compute import ComputeModel
-from .files import is_fresh, mark_fresh, read_config, replace_dir, write_config
+from .files import is_fresh, make_readable, mark_fresh, read_config, replace_dir, write_config
 from .pipeline import BuildContext, Pipeline
 from .tuning import apply_tuning
 from .variants import (EnsembleVariants, build_extra_versions, build_latency_variants, build_python_latency_variants,
@@ -190,6 +190,9 @@ def build_repository(context: BuildContext, pipelines: list[Pipeline]) -> list[s
 
     stamp["shm_bytes"] = sum(Repository(context.output).shm_needs().values())
     (context.output / ".built").write_text(json.dumps(stamp, indent=2))
+    # The servers run as another user (uid 1000) than the builder (root in its container): every
+    # folder traversable and every file readable, including those of earlier builds kept as fresh.
+    make_readable(context.output)
     log(f"{context.target} repository at {context.output}: {len(built)} models "
         f"in {time.monotonic() - started:.1f} s; its Python-backend stubs may hold up to "
         f"{gib(stamp['shm_bytes'])} GiB of /dev/shm at full batches (compose: TRITON_SHM_SIZE="

@@ -63,6 +63,17 @@ PYTHON_BACKEND_CONFIG = ("shm-default-byte-size=16777216", "shm-growth-byte-size
 # 2.51 has no latency histograms for non-decoupled models, and p99 queue time needs one or the other.
 METRICS_CONFIG = ("summary_latencies=true",)
 LOOPBACK = "127.0.0.1"
+# How long the start-up load may take before the launcher gives up (and the container restarts).
+# The one source of this value: docker-compose.yml's healthcheck start_period and the Kubernetes
+# startup probe are at least this long (tests/test_images.py, tests/test_deploy_k8s.py). Whisper
+# large-v3 on the gpu target plus ONNX Runtime's TensorRT engine builds on first start can take
+# well over 5 minutes. Override: TRITON_READY_TIMEOUT_S.
+READY_TIMEOUT_S = 1200
+READY_TIMEOUT_ENV = "TRITON_READY_TIMEOUT_S"
+
+
+def ready_timeout_s() -> float:
+    return float(os.environ.get(READY_TIMEOUT_ENV) or READY_TIMEOUT_S)
 
 
 def pytriton_dir() -> Path:
@@ -271,7 +282,7 @@ class Replica:
             return
         self.process = self._start()
         try:
-            self.wait_ready(timeout_s=600)
+            self.wait_ready(timeout_s=ready_timeout_s())
             self.log(f"tritonserver{replica} is ready again")
         except (RuntimeError, TimeoutError) as error:
             self.log(f"restarted tritonserver{replica} did not become ready: {error}")
@@ -470,8 +481,9 @@ class Launcher:
                     reasons.append(prefix + "tritonserver is not ready (models loading or unloading)")
         return reasons or ["no replica in service"]
 
-    def wait_ready(self, timeout_s: float = 300.0) -> None:
+    def wait_ready(self, timeout_s: float | None = None) -> None:
         """Block until every replica is ready and the public port answers; then supervise."""
+        timeout_s = ready_timeout_s() if timeout_s is None else timeout_s
         for replica in self.replicas:
             replica.wait_ready(timeout_s)
         deadline = time.monotonic() + 30
@@ -488,7 +500,10 @@ class Launcher:
                     raise RuntimeError(f"nginx exited with code {self.proxy.process.returncode}")
             time.sleep(0.1)
         if self.options.warm_pipelines:
-            self.warm_pipelines()
+            try:
+                self.warm_pipelines()
+            except Exception as error:  # noqa: BLE001 - warm-up is an optimisation, never a reason to die
+                self.log(f"pipeline warm-up failed, serving without it: {type(error).__name__}: {error}")
         if not self.supervisor.is_alive() and not self.stopping.is_set():
             self.supervisor.start()
 

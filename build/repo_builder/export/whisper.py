@@ -37,6 +37,30 @@ WHISPER_SIZES = {
                      decoder_attention_heads=20, encoder_ffn_dim=5120, decoder_ffn_dim=5120,
                      num_mel_bins=128, vocab_size=51866),
 }
+
+
+def parameter_count(size: str) -> int:
+    """Parameters of a Whisper architecture (large-v3: 1.55 B), from its dimensions."""
+    c = WHISPER_SIZES[size]
+    d = c["d_model"]
+    layer = lambda attention_blocks, ffn: attention_blocks * (4 * d * d + 4 * d) + 2 * d * ffn + ffn + d + (2 + attention_blocks) * 2 * d  # noqa: E731
+    encoder = c["encoder_layers"] * layer(1, c["encoder_ffn_dim"]) + 3 * d * (c["num_mel_bins"] + d) + 1500 * d
+    decoder = c["decoder_layers"] * layer(2, c["decoder_ffn_dim"]) + c["vocab_size"] * d + 448 * d
+    return encoder + decoder
+
+
+# What exporting a Whisper size needs in memory, an estimate (large-v3 was not exported on our 24 GiB
+# machines): the torch model, the legacy exporter's copy of every initializer in the graph it
+# serializes, and onnx.load of the decoder again in share_tied_embedding: three fp32 copies of the
+# weights, plus 2 GiB for torch, the interpreter and the encoder's activations. large-v3: ~19.3 GiB.
+EXPORT_WEIGHT_COPIES = 3
+EXPORT_OVERHEAD_BYTES = 2 << 30
+
+
+def export_memory_bytes(size: str) -> int:
+    return EXPORT_WEIGHT_COPIES * 4 * parameter_count(size) + EXPORT_OVERHEAD_BYTES
+
+
 RANDOM_INIT_STD = 0.1
 RANDOM_SEED = 0
 N_FRAMES = 3000
@@ -226,13 +250,31 @@ def export_decoder(source: WhisperSource, onnx_path: Path) -> None:
     share_tied_embedding(onnx_path)
 
 
-def share_tied_embedding(onnx_path: Path) -> None:
+# Above this many bytes of initializers a model cannot be one protobuf (2 GiB): external data.
+EXTERNAL_DATA_BYTES = (1 << 31) - (256 << 20)
+
+
+def external_data_files(onnx_path: Path) -> set[Path]:
+    """The files beside ``onnx_path`` that its initializers' external data point at."""
+    import onnx
+    from onnx.external_data_helper import ExternalDataInfo, uses_external_data
+
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    return {onnx_path.parent / ExternalDataInfo(t).location
+            for t in model.graph.initializer if uses_external_data(t)}
+
+
+def share_tied_embedding(onnx_path: Path, external_data_bytes: int = EXTERNAL_DATA_BYTES) -> None:
     """The legacy exporter stores the tied output projection twice: as ``embed_tokens.weight``
     (Gather) and as its constant-folded transpose (MatMul). Rewrite the MatMul as
-    ``Gemm(x, embed_tokens.weight, transB=1)`` and drop the copy (tiny: 193 MB → 113 MB)."""
+    ``Gemm(x, embed_tokens.weight, transB=1)`` and drop the copy (tiny: 193 MB → 113 MB).
+
+    A model over 2 GiB (large-v3) comes from the exporter as one file per weight; it is saved again
+    as ``model.onnx.data`` and those per-weight files are removed (they would double the folder)."""
     import onnx
     from onnx import helper, numpy_helper
 
+    exported_files = external_data_files(onnx_path)
     model = onnx.load(str(onnx_path))
     graph = model.graph
     initializers = {i.name: i for i in graph.initializer}
@@ -251,6 +293,11 @@ def share_tied_embedding(onnx_path: Path) -> None:
         graph.node.insert(index, gemm)
         graph.initializer.remove(copy)
         break
-    large = sum(i.ByteSize() for i in graph.initializer) > (1 << 31) - (256 << 20)
+    large = sum(i.ByteSize() for i in graph.initializer) > external_data_bytes
+    data_file = onnx_path.parent / (onnx_path.name + ".data")
+    if data_file.exists():
+        data_file.unlink()  # onnx appends to an existing data file
     onnx.save(model, str(onnx_path), save_as_external_data=large, all_tensors_to_one_file=True,
-              location=onnx_path.name + ".data")
+              location=data_file.name)
+    for stale in exported_files - {data_file, onnx_path}:
+        stale.unlink(missing_ok=True)

@@ -1,0 +1,66 @@
+"""The pure parts of `make rehearse` (src/triton_pipelines/rehearse.py, rehearse_steps.py)."""
+
+from __future__ import annotations
+
+import subprocess
+
+from triton_pipelines import rehearse
+from triton_pipelines.rehearse_steps import unreadable
+
+
+def test_recipe_hash_changes_with_the_recipe_only():
+    base = rehearse.python_containerfile("localhost/base:1")
+    assert rehearse.recipe_hash(base) == rehearse.recipe_hash(base)
+    assert rehearse.recipe_hash(base) != rehearse.recipe_hash(rehearse.python_containerfile("localhost/base:2"))
+
+
+def test_triton_standin_is_only_what_our_images_rely_on():
+    text = rehearse.triton_containerfile("localhost/base:1", "/root/.pyenv/versions/3.10.13")
+    assert "useradd --no-create-home --uid 1000" in text  # NGC's triton-server has no home
+    assert '! python3 -c "import tritonclient"' in text  # NGC has no tritonclient
+    assert "! command -v python" in text  # python3 only
+    assert "python_backend_stubs/3.10/triton_python_backend_stub" in text
+    assert "/opt/tritonserver/bin/tritonserver" in text and "/opt/tritonserver/backends/python" in text
+
+
+def test_python_standin_has_python_and_pip_like_the_official_image():
+    text = rehearse.python_containerfile("localhost/base:1")
+    for package in ("python3-pip", "python3-venv", "python-is-python3", "libpython3.11"):
+        assert package in text
+    assert "EXTERNALLY-MANAGED" in text
+
+
+def test_tree_copy_is_what_a_clone_plus_uncommitted_work_holds(tmp_path):
+    repo = tmp_path / "repo"
+    (repo / "model_repository").mkdir(parents=True)
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    (repo / ".gitignore").write_text("/model_repository/*\n!/model_repository/README.md\n")
+    (repo / "model_repository" / "README.md").write_text("readme")
+    (repo / "model_repository" / "built.onnx").write_text("big")
+    (repo / "new.py").write_text("untracked, not ignored")
+    subprocess.run(["git", "-C", str(repo), "add", ".gitignore", "model_repository/README.md"], check=True)
+    copy = rehearse.copy_tree(repo, tmp_path / "copy")
+    assert sorted(str(p.relative_to(copy)) for p in copy.rglob("*") if p.is_file()) == [
+        ".gitignore", "model_repository/README.md", "new.py"]
+
+
+def test_unreadable_finds_root_only_folders_and_files(tmp_path):
+    (tmp_path / "a").mkdir(mode=0o700)
+    (tmp_path / "a").chmod(0o700)
+    (tmp_path / "b.txt").write_text("x")
+    (tmp_path / "b.txt").chmod(0o600)
+    (tmp_path / "c.txt").write_text("x")
+    (tmp_path / "c.txt").chmod(0o644)
+    tmp_path.chmod(0o755)
+    assert sorted(unreadable(tmp_path)) == ["a", "b.txt"]
+
+
+def test_imported_modules_sees_lazy_imports():
+    source = "import os\ndef f():\n    import tritonclient.http\n    from PIL import Image\n"
+    assert rehearse.imported_modules(source) == {"os", "tritonclient", "PIL"}
+
+
+def test_server_imports_follow_the_launcher_to_the_client():
+    found = rehearse.server_imports(rehearse.ROOT)
+    assert "tritonclient" in found  # launcher -> warm-up -> client (issue 20, item 2)
+    assert "numpy" in found
