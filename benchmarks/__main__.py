@@ -79,7 +79,8 @@ def main(argv: list[str]) -> int:
         print(f"unknown benchmarks {unknown}; known: {BENCHMARKS}", file=sys.stderr)
         return 2
     repository = Path(os.environ.get("BENCH_MODEL_REPOSITORY", ROOT / "model_repository"))
-    server = start_on_free_ports(repository, ROOT / ".bench" / "server.log")
+    # Sweeps and perf_analyzer runs measure single models (text_encoder, resnet50, ...) too.
+    server = start_on_free_ports(repository, ROOT / ".bench" / "server.log", expose_internal_models=True)
     sections = {}
     try:
         for name in names:

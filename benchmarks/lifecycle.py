@@ -190,7 +190,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     repository = Path(os.environ.get("BENCH_MODEL_REPOSITORY", ROOT / "model_repository"))
     threads_table = start_times(repository, (1, 4))
-    server = start_on_free_ports(repository, ROOT / ".bench" / "lifecycle-server.log")
+    # First-request latency of every model, compute models included: they are not public by default.
+    server = start_on_free_ports(repository, ROOT / ".bench" / "lifecycle-server.log", expose_internal_models=True)
     try:
         report = run(server, args.rounds, threads_table)
     finally:

@@ -51,7 +51,8 @@ def compute_server():
     reload them with new instances (warm-up at load, the memory planner's measurements) use it, so
     the session server is not disturbed."""
     server = start_on_free_ports(ensure_repository(), LOG_DIR / "test-compute-server.log",
-                                 models=["text_encoder", "resnet50", "whisper_encoder", "whisper_decoder"])
+                                 models=["text_encoder", "resnet50", "whisper_encoder", "whisper_decoder"],
+                                 expose_internal_models=True)
     yield server
     server.stop()
 
@@ -60,6 +61,15 @@ def compute_server():
 def client(request, triton_server) -> TritonClient:
     """Parametrizes a test over both protocols."""
     c = TritonClient(request.param, triton_server.url(request.param))
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="session", params=["http", "grpc"])
+def internal_client(request, triton_server) -> TritonClient:
+    """A client of Triton's own loopback ports, for tests of one internal model (the public ports
+    serve inference for the pipelines and the router only); both protocols."""
+    c = TritonClient(request.param, triton_server.internal_url(request.param))
     yield c
     c.close()
 

@@ -159,12 +159,13 @@ def test_long_urls_headers_and_model_names_get_their_own_errors(unharmed):
     """8-16 KB URLs or headers answered 503 "starting or restarting"; 6,000-8,100 character model
     names 405."""
     body = json.dumps({"inputs": ONE_TEXT}).encode()
-    for length in (6000, 8100, 12_000, 16_000):
+    for length in (6000, 8100):
         status, answer = post(infer_url(unharmed, "m" * length), body)
-        assert status in (404, 414), (length, status)
-        assert "restarting" not in error_of(answer)
-    status, answer = post(infer_url(unharmed, "text_embedding") + "?" + "q" * 12_000, body)
-    assert status == 414 and "request line is longer than" in error_of(answer)
+        assert status == 404 and error_of(answer) == "not found", (length, status)
+    # a request line over 8 KiB is refused before nginx picks a location: its own 414 page
+    for url in (infer_url(unharmed, "m" * 12_000), infer_url(unharmed, "text_embedding") + "?" + "q" * 12_000):
+        status, answer = post(url, body)
+        assert status == 414 and b"restarting" not in answer
     status, answer = post(infer_url(unharmed, "text_embedding"), body, {"X-Padding": "p" * 12_000})
     assert status == 431 and "header is longer than" in error_of(answer)
     # a 7 KB header is under nginx's limit and still served: Triton never sees client headers it

@@ -211,8 +211,10 @@ def test_a_failing_request_does_not_fail_its_batch_neighbours(triton_server, ref
     assert ids_of(results[2]["token_ids"][0]) == reference.tokens(HELLO, max_new_tokens=2)
 
 
-def test_defaults_apply_without_optional_inputs(client, triton_server, reference):
-    """No language/task/max_new_tokens: English, transcribe, the configured bound."""
+def test_defaults_apply_without_optional_inputs(internal_client, triton_server, reference):
+    """No language/task/max_new_tokens: English, transcribe, the configured bound (whisper_decode,
+    an internal step: on Triton's own port)."""
+    client = internal_client
     config = (Path(triton_server.options.model_repository) / "whisper_decode" / "config.pbtxt").read_text()
     assert 'key: "max_new_tokens"' in config
     out = client.infer("whisper_decode", {
@@ -265,12 +267,14 @@ def test_in_process_onnx_decode_equals_transformers_generate(triton_server, refe
         assert any(len(tokens) < 8 for tokens in ours)
 
 
-def test_embedded_decoder_keeps_cross_kv_between_steps_of_one_caller(client, reference):
+def test_embedded_decoder_keeps_cross_kv_between_steps_of_one_caller(internal_client, reference):
     """whisper_decoder on the embedded target: the first call carries the cross K/V with an
     input_cache_key; later calls name it (and the rows still running) and compute the same logits
     as calls that carry the tensors, as the in-process decoder does. One window: its cross K/V are
     37 MB, two would pass the public ports' 64 MiB body limit (whisper_decode sends them over BLS,
-    and rows leaving the batch are covered by the pipeline tests)."""
+    and rows leaving the batch are covered by the pipeline tests). whisper_decoder is internal: the
+    public ports do not serve it (no client may name another request's cached K/V)."""
+    client = internal_client
     whisper = reference.whisper
     cross = whisper.encode(audio_to_features(MORNING, reference.filters))
     prompts = np.array([reference.tokenizer.prompt()], dtype=np.int64)

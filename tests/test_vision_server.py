@@ -112,15 +112,18 @@ def test_vision_models_are_ready(client):
         assert client.is_model_ready(model), model
 
 
-def test_image_preprocess_model_equals_the_reference_recipe(client, reference):
-    """Every accepted format/mode in one request: the server's tensor is the reference's, exactly."""
+def test_image_preprocess_model_equals_the_reference_recipe(internal_client, reference):
+    """Every accepted format/mode in one request: the server's tensor is the reference's, exactly
+    (image_preprocess is internal: on Triton's own port)."""
+    client = internal_client
     images = [IMAGES[name] for name in GOOD]
     pixels = client.infer("image_preprocess", {"image": text_tensor(images)})["pixel_values"]
     assert pixels.shape == (len(GOOD), 3, 224, 224) and pixels.dtype == np.float32
     np.testing.assert_allclose(pixels, reference.pixels(images), atol=1e-6)
 
 
-def test_resnet50_equals_onnxruntime_on_the_same_file(client, reference):
+def test_resnet50_equals_onnxruntime_on_the_same_file(internal_client, reference):
+    client = internal_client
     pixels = reference.pixels([IMAGES["scene.jpg"], IMAGES["scene.webp"], IMAGES["gray16.png"]])
     logits = client.infer("resnet50", {"pixel_values": pixels})["logits"]
     assert logits.shape == (3, 1000) and logits.dtype == np.float32

@@ -460,6 +460,11 @@ class Launcher:
         """The public endpoint for a client of ``protocol`` ("http" or "grpc")."""
         return self.http_url if protocol == "http" else self.grpc_url
 
+    def internal_url(self, protocol: str) -> str:
+        """The first tritonserver's own loopback endpoint: every model, no front (tests and tools
+        that talk to one internal model, which the public ports do not serve)."""
+        return self.control.http_url if protocol == "http" else f"{LOOPBACK}:{self.internal.grpc}"
+
     @property
     def metrics_url(self) -> str:
         return f"http://{self._public_host()}:{self.options.metrics_port}/metrics"
@@ -620,7 +625,7 @@ class RunningServer:
 
     def __init__(self, state_dir: Path):
         self.state_dir = Path(state_dir)
-        state = json.loads((self.state_dir / "server.json").read_text())
+        self.state = state = json.loads((self.state_dir / "server.json").read_text())
         self.control = ControlClient.from_state(self.state_dir)
         self.key = self.control.key
         host = state["listen_address"] if state["listen_address"] not in ("0.0.0.0", "::") else "localhost"
@@ -632,6 +637,9 @@ class RunningServer:
 
     def url(self, protocol: str) -> str:
         return self.http_url if protocol == "http" else self.grpc_url
+
+    def internal_url(self, protocol: str) -> str:
+        return self.state["triton_http"] if protocol == "http" else self.state["triton_grpc"]
 
     def stop(self) -> None:
         """Not ours to stop."""

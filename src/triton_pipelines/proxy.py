@@ -163,7 +163,6 @@ def render_config(config: ProxyConfig, temp_dir: Path | None = None) -> str:
                              f"{config.max_json_bytes} ({json_kb}): {binary_hint}",
         "encoding": "compressed request bodies (Content-Encoding) are not accepted: send the body uncompressed",
         "grpc_encoding": "compressed gRPC messages (grpc-encoding) are not accepted: send them uncompressed",
-        "uri_too_long": f"the request line is longer than {HEADER_BUFFER_KB} KiB",
         "header_too_large": f"a request header is longer than {HEADER_BUFFER_KB} KiB",
         "control": "this API is not available on the public port: the model-repository, shared-memory, "
                    "logging and trace APIs are restricted to the server's own host",
@@ -285,8 +284,8 @@ http {{
         client_max_body_size {config.max_body_bytes};
         error_page 413 = @too_large;
         error_page 502 503 504 = @unavailable;
-        error_page 414 = @uri_too_long;
         error_page 494 = @header_too_large;
+        error_page 429 = @client_overloaded;  # only this client's share is counted here
 
         if ($encoding_ok = 0) {{
             return 415 {_json_error(messages["encoding"])};
@@ -301,16 +300,17 @@ http {{
                 rewrite ^ /__json$uri last;
             }}
             {client_limit}
-            error_page 429 = @client_overloaded;
             proxy_pass http://inflight_gate;
         }}
         location ^~ /__json/ {{
             internal;
             client_max_body_size {config.max_json_bytes};
+            # (error_page here replaces the server's: every one this location can meet again)
             error_page 413 = @json_too_large;
+            error_page 429 = @client_overloaded;
+            error_page 502 503 504 = @unavailable;
             rewrite ^/__json(/.*)$ $1 break;
             {client_limit}
-            error_page 429 = @client_overloaded;
             proxy_pass http://inflight_gate;
         }}
         location ~ ^/v2/health/(ready|live)$ {{
@@ -337,9 +337,6 @@ http {{
         }}
         location @json_too_large {{
             return 413 {_json_error(messages["json_too_large"])};
-        }}
-        location @uri_too_long {{
-            return 414 {_json_error(messages["uri_too_long"])};
         }}
         location @header_too_large {{
             return 431 {_json_error(messages["header_too_large"])};
@@ -378,8 +375,9 @@ http {{
     server {{
         listen {address}:{config.grpc_port} http2 backlog=4096;
         client_max_body_size {config.max_body_bytes};
-        # Streams of one connection: beyond them a client queues its own calls.
-        http2_max_concurrent_streams {max(1, min(128, per_client or config.max_inflight))};
+        # Streams of one connection (nginx's default): beyond them a client queues its own calls,
+        # within them it is refused at once past its share.
+        http2_max_concurrent_streams 128;
         grpc_read_timeout {config.upstream_timeout_s}s;
         grpc_send_timeout {config.upstream_timeout_s}s;
         grpc_set_header triton-control-key "";

@@ -31,6 +31,8 @@ _INFER_PATH = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]*))?/infer$")
 _HOP_HEADERS = {b"connection", b"keep-alive", b"transfer-encoding", b"te", b"upgrade", b"proxy-connection"}
 UPSTREAM_TIMEOUT_S = 300.0
 IDLE_UPSTREAM_CONNECTIONS = 64
+_TRANSPORT_FAILURE = re.compile(r"failed to connect|connection refused|socket closed|connection reset|"
+                                r"Broken pipe|endpoint is closed", re.IGNORECASE)
 
 
 def http_response(status: int, body: bytes, extra: list[tuple[bytes, bytes]] = ()) -> bytes:
@@ -188,7 +190,7 @@ class GrpcScreen:
 
     _DROP = {"user-agent", "grpc-accept-encoding", "grpc-encoding", "te", "content-type"}
 
-    def __init__(self, policy: ScreenPolicy, triton_grpc: str, max_message_bytes: int):
+    def __init__(self, policy: ScreenPolicy, triton_grpc: str):
         import grpc
 
         self.grpc = grpc
@@ -196,7 +198,6 @@ class GrpcScreen:
         self.channel = grpc.aio.insecure_channel(triton_grpc, options=[
             ("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)])
         self.call = self.channel.unary_unary(GRPC_INFER_METHOD)
-        self.max_message_bytes = max_message_bytes
 
     def handler(self):
         grpc = self.grpc
@@ -223,7 +224,9 @@ class GrpcScreen:
             restarting = restarting_model_message(details) if code == grpc.StatusCode.INTERNAL else None
             if restarting:
                 code, details = grpc.StatusCode.UNAVAILABLE, restarting
-            elif code == grpc.StatusCode.UNAVAILABLE:
+            elif code == grpc.StatusCode.UNAVAILABLE and _TRANSPORT_FAILURE.search(details):
+                # Triton itself is not there (a restart): say so, not the channel's internals. A
+                # model's own UNAVAILABLE (e.g. the router's "gateway not configured") passes as is.
                 details = "the inference server is starting or restarting: retry shortly"
             await context.abort(code, details)
 
@@ -241,9 +244,11 @@ async def run(args: argparse.Namespace) -> None:
     policy = ScreenPolicy(max_body_bytes=args.max_body_bytes, public_models=load_public_models(args.public_models_file))
     http = HttpScreen(policy, Upstream(args.triton_http))
     http_server = await asyncio.start_server(http.serve, "127.0.0.1", args.http_port, limit=2**20, backlog=4096)
-    grpc_screen = GrpcScreen(policy, args.triton_grpc, args.max_body_bytes)
+    grpc_screen = GrpcScreen(policy, args.triton_grpc)
     grpc_server = grpc.aio.server(options=[
-        ("grpc.max_receive_message_length", args.max_body_bytes + 2**20),
+        # nginx bounds a message (client_max_body_size) with its own clear message; a limit here
+        # would answer first, from the message's length prefix, in gRPC's words.
+        ("grpc.max_receive_message_length", -1),
         ("grpc.max_send_message_length", -1),
         ("grpc.max_concurrent_streams", 4096)])
     grpc_server.add_generic_rpc_handlers((grpc_screen.handler(),))
