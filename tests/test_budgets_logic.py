@@ -1,0 +1,127 @@
+"""Work budgets (no server): each hostile file class is refused by a cheap check before decoding,
+quickly, with a message naming the problem; good files of the same formats still pass; the limits
+in the model configs are the Python defaults."""
+
+from __future__ import annotations
+
+import io
+import re
+import struct
+import time
+from dataclasses import fields
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from triton_pipelines import image_budget
+from triton_pipelines.errors import InputError
+from triton_pipelines.vision import PreprocessConfig, preprocess_image
+
+from . import hostile_files as hostile
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def config_parameters(model: str) -> dict[str, str]:
+    text = (ROOT / "python_models" / model / "config.pbtxt").read_text()
+    return dict(re.findall(r'key: "(\w+)" value: \{ string_value: "([^"]*)" \}', text))
+
+
+def refused_fast(data: bytes, match: str, config: PreprocessConfig = PreprocessConfig()) -> None:
+    started = time.perf_counter()
+    with pytest.raises(InputError, match=match):
+        preprocess_image(data, config)
+    assert time.perf_counter() - started < 0.5
+
+
+def test_image_preprocess_config_holds_the_python_defaults():
+    parameters = config_parameters("image_preprocess")
+    for field in fields(PreprocessConfig):
+        if field.name.startswith("max_"):
+            assert int(parameters[field.name]) == field.default, field.name
+    assert PreprocessConfig.from_parameters(parameters) == PreprocessConfig()
+    assert PreprocessConfig.from_parameters({"max_jpeg_scans": "7", "jpeg_draft": "true"}).max_jpeg_scans == 7
+
+
+def test_progressive_jpeg_with_too_many_scans_is_refused_before_decoding():
+    refused_fast(hostile.progressive_jpeg(1448, 100_000), "progressive JPEG with more than 64 scans")
+    # a real progressive JPEG (libjpeg's ~10 scans) and one with 54 extra empty scans decode
+    assert preprocess_image(hostile.progressive_jpeg(300, 0)).shape == (3, 224, 224)
+    assert preprocess_image(hostile.progressive_jpeg(300, 50)).shape == (3, 224, 224)
+    with pytest.raises(InputError, match="more than 3 scans"):
+        preprocess_image(hostile.progressive_jpeg(300, 0), PreprocessConfig(max_jpeg_scans=3))
+
+
+def test_jpeg_with_too_many_segments_is_refused():
+    refused_fast(hostile.jpeg_with_segments(500_000), "JPEG with more than 1024 marker segments")
+    assert preprocess_image(hostile.jpeg_with_segments(900)).shape == (3, 224, 224)
+
+
+def test_rle_bmp_is_bounded_by_its_own_pixel_limit():
+    refused_fast(hostile.bmp_rle8_early_row_ends(), r"RLE8 BMP of 7071x7071 = 49999041 pixels; .* limited to 1000000")
+    refused_fast(hostile.bmp_rle8_early_row_ends(2000, 1000, rle4=True), "RLE4 BMP of 2000x1000")
+    started = time.perf_counter()
+    assert preprocess_image(hostile.bmp_rle8_early_row_ends(1000, 1000)).shape == (3, 224, 224)
+    assert time.perf_counter() - started < 2  # the worst case at the limit (~0.3 s measured)
+    buffer = io.BytesIO()  # uncompressed BMP: C decoder, only the pixel limit applies
+    Image.new("RGB", (2000, 1000), (10, 20, 30)).save(buffer, "BMP")
+    assert preprocess_image(buffer.getvalue()).shape == (3, 224, 224)
+
+
+@pytest.mark.parametrize("idat", [True, False])
+def test_png_with_too_many_chunks_is_refused(idat):
+    refused_fast(hostile.png_many_chunks(200_000, idat=idat), "PNG with more than 16384 chunks")
+    assert preprocess_image(hostile.png_many_chunks(1000, idat=idat)).shape == (3, 224, 224)
+
+
+def test_gif_with_too_many_blocks_before_its_first_image_is_refused():
+    refused_fast(hostile.gif_many_extensions(500_000), "GIF with more than 16384 extension blocks")
+    assert preprocess_image(hostile.gif_many_extensions(1000)).shape == (3, 224, 224)
+
+
+def tiff_directory(entries: int, data_bytes: int) -> bytes:
+    ifd = struct.pack("<H", entries)
+    for tag in range(entries):
+        ifd += struct.pack("<HHII", 0x8000 + tag, 7, data_bytes, 8 + 2 + 12 * entries + 4)
+    return b"II*\x00" + struct.pack("<I", 8) + ifd + bytes(4) + bytes(data_bytes)
+
+
+def test_overlapping_exif_and_mpf_directories_are_refused():
+    with pytest.raises(InputError, match="EXIF directory of 4000 tags claiming 160000000 bytes"):
+        image_budget.check_tiff_directory(tiff_directory(4000, 40_000), "image", "EXIF")
+    image_budget.check_tiff_directory(tiff_directory(1, 1000), "image", "EXIF")
+    image_budget.check_tiff_directory(tiff_directory(1, 1000)[:500], "image", "EXIF")  # truncated: Pillow skips it
+    # in a JPEG: Pillow reads the APP1 EXIF at open
+    base = hostile.jpeg_with_segments(0)
+    exif = b"Exif\x00\x00" + tiff_directory(1000, 50_000)[:60_000]
+    app1 = b"\xff\xe1" + struct.pack(">H", len(exif) + 2) + exif
+    refused_fast(base[:2] + app1 + base[2:], "EXIF directory of 1000 tags")
+    mpf = b"MPF\x00" + tiff_directory(1000, 50_000)[:60_000]
+    app2 = b"\xff\xe2" + struct.pack(">H", len(mpf) + 2) + mpf
+    refused_fast(base[:2] + app2 + base[2:], "MPF directory of 1000 tags")
+    # a PNG's EXIF never reaches Pillow's reader: the image is answered, quickly
+    started = time.perf_counter()
+    assert preprocess_image(hostile.exif_bomb_png(4000, 40_000)).shape == (3, 224, 224)
+    assert time.perf_counter() - started < 0.5
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_exif_orientation_matches_pillows_exif_transpose(orientation):
+    from PIL import ImageOps
+
+    pixels = np.arange(40 * 24 * 3, dtype=np.uint8).reshape(24, 40, 3)
+    image = Image.fromarray(pixels)
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    for fmt in ("JPEG", "PNG", "WEBP"):
+        buffer = io.BytesIO()
+        image.save(buffer, fmt, exif=exif.tobytes(), **({"lossless": True} if fmt == "WEBP" else {}))
+        opened = Image.open(io.BytesIO(buffer.getvalue()))
+        opened.load()
+        assert image_budget.exif_orientation(opened.info.get("exif")) == orientation
+        expected = np.asarray(ImageOps.exif_transpose(Image.open(io.BytesIO(buffer.getvalue()))).convert("RGB"))
+        from triton_pipelines.vision import to_rgb
+
+        assert np.array_equal(np.asarray(to_rgb(opened)), expected), (fmt, orientation)
