@@ -110,5 +110,9 @@ def compressed_silence(seconds: float, rate: int = 16000, format: str = "FLAC") 
     import soundfile
 
     buffer = io.BytesIO()
-    soundfile.write(buffer, np.zeros(int(seconds * rate), dtype=np.float32), rate, format=format)
+    block = np.zeros(rate, dtype=np.float32)
+    # one second at a time: libsndfile 1.2.2 crashes writing minutes of Vorbis in one call
+    with soundfile.SoundFile(buffer, "w", rate, 1, format=format) as handle:
+        for _ in range(int(seconds)):
+            handle.write(block)
     return buffer.getvalue()

@@ -125,3 +125,66 @@ def test_exif_orientation_matches_pillows_exif_transpose(orientation):
         from triton_pipelines.vision import to_rgb
 
         assert np.array_equal(np.asarray(to_rgb(opened)), expected), (fmt, orientation)
+
+
+# ------------------------------------------------------------------------------------ audio
+from triton_pipelines import speech  # noqa: E402
+
+
+def test_audio_features_config_holds_the_python_defaults():
+    parameters = config_parameters("audio_features")
+    assert float(parameters["max_audio_seconds"]) == speech.MAX_AUDIO_SECONDS
+    assert int(parameters["max_audio_bytes"]) == speech.MAX_AUDIO_BYTES
+    assert int(parameters["max_decoded_samples"]) == speech.MAX_DECODED_SAMPLES
+    assert int(parameters["min_sample_rate"]) == speech.MIN_SAMPLE_RATE
+
+
+@pytest.mark.parametrize("rate", [1, 100, 7999])
+def test_audio_below_telephone_band_is_refused(rate):
+    data = hostile.wav(rate, 300 * rate if rate < 7999 else 8000)
+    started = time.perf_counter()
+    with pytest.raises(InputError, match=f"has a sample rate of {rate} Hz; the minimum is 8000 Hz"):
+        speech.decode_audio(data)
+    assert time.perf_counter() - started < 0.2
+    assert len(speech.decode_audio(hostile.wav(8000, 8000))) == 16000  # 1 s at the floor: decoded
+
+
+def test_a_wav_header_cannot_declare_more_samples_than_the_file_carries():
+    data = bytearray(hostile.wav(16000, 16000))  # 1 s, then claim 300 s in RIFF and data sizes
+    data[4:8] = struct.pack("<I", 36 + 300 * 32000)
+    data[40:44] = struct.pack("<I", 300 * 32000)
+    assert len(speech.decode_audio(bytes(data))) == 16000
+
+
+def test_other_libsndfile_formats_are_refused():
+    import soundfile
+
+    buffer = io.BytesIO()
+    soundfile.write(buffer, np.zeros(16000, np.float32), 16000, format="AIFF")
+    with pytest.raises(InputError, match="AIFF .*accepted: WAV, FLAC, OGG"):
+        speech.decode_audio(buffer.getvalue())
+
+
+@pytest.mark.parametrize("fmt", ["FLAC", "OGG"])
+def test_compressed_silence_costs_one_window(fmt):
+    data = hostile.compressed_silence(299, format=fmt)
+    assert len(data) < 200_000
+    filters = np.zeros((80, 201), np.float32)
+    started = time.perf_counter()
+    assert speech.audio_to_features(data, filters).shape == (1, 80, 3000)
+    assert time.perf_counter() - started < 5
+
+
+def test_silent_windows_are_left_out_and_sounding_ones_kept():
+    rate = speech.SAMPLE_RATE
+    rng = np.random.default_rng(0)
+    voice = (0.1 * rng.standard_normal(5 * rate)).astype(np.float32)
+    silence = np.zeros(60 * rate, np.float32)
+    audio = np.concatenate([voice, silence, voice, silence])  # 130 s: 5 windows, 2 sound
+    windows = speech.sounding_windows(audio)
+    assert len(speech.split_windows(audio)) == 5 and len(windows) == 2
+    assert all(not speech.is_silent(w) for w in windows)
+    # a constant offset and dither below 4 LSB of 16-bit audio are silence; one LSB above is not
+    assert speech.is_silent(np.full(100, 0.3, np.float32))
+    assert speech.is_silent(rng.integers(-1, 2, 1000).astype(np.float32) / 32768)
+    assert not speech.is_silent(rng.integers(-3, 3, 1000).astype(np.float32) / 32768 * 2)
