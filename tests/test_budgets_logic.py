@@ -188,3 +188,67 @@ def test_silent_windows_are_left_out_and_sounding_ones_kept():
     assert speech.is_silent(np.full(100, 0.3, np.float32))
     assert speech.is_silent(rng.integers(-1, 2, 1000).astype(np.float32) / 32768)
     assert not speech.is_silent(rng.integers(-3, 3, 1000).astype(np.float32) / 32768 * 2)
+
+
+# ------------------------------------------------------------------------------------ text
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from triton_pipelines.text import TextTokenizer  # noqa: E402
+
+from .test_text_logic import minilm_dir  # noqa: E402
+
+_TOKENIZERS: dict = {}
+
+
+def tokenizers(prefix_chars: int) -> tuple[TextTokenizer, TextTokenizer]:
+    """(bounded with a small prefix so that growth is exercised, whole-text reference)."""
+    if prefix_chars not in _TOKENIZERS:
+        path = minilm_dir() / "tokenizer.json"
+        _TOKENIZERS[prefix_chars] = (TextTokenizer(path, prefix_chars=prefix_chars), TextTokenizer(path, prefix_chars=None))
+    return _TOKENIZERS[prefix_chars]
+
+
+def assert_same_tokens(texts: list[str], prefix_chars: int) -> None:
+    bounded, whole = tokenizers(prefix_chars)
+    assert bounded.prefix_chars == prefix_chars  # the prefix path is on for this tokenizer
+    a, b = bounded.encode(texts), whole.encode(texts)
+    np.testing.assert_array_equal(a.input_ids, b.input_ids)
+    np.testing.assert_array_equal(a.attention_mask, b.attention_mask)
+
+
+PIECES = ["word", "Hello", "ΟΔΟΣ", "ΑΣ.b", "Σ", "naïve", "e\u0301", "\u0301", "中文字", "ｆｕｌｌ", "İstanbul", "ß",
+          "x" * 150, "y" * 99, "ab" * 60, "🙂", "\x00", "\ufffd", "\x1c", "\u200b", "\u00a0", "\u3000", "...", "-",
+          "don't", "1,000.5", "<tag>", "\t", "\n", "\r\n", " ", "   ", "a" * 10_000]
+SEPARATORS = ["", " ", "  ", "\t", "\n", "\u00a0", ".", "\u0301"]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.sampled_from(PIECES), st.sampled_from(SEPARATORS)), min_size=0, max_size=400),
+       st.sampled_from([1, 7, 64, 512]))
+def test_bounded_prefix_tokenization_equals_whole_text_tokenization(parts, prefix_chars):
+    text = "".join(piece + separator for piece, separator in parts)
+    assert_same_tokens([text, text[::-1], text.upper()], prefix_chars)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.text(min_size=0, max_size=3000), st.sampled_from([1, 16, 256]))
+def test_bounded_prefix_tokenization_equals_whole_text_on_any_unicode(text, prefix_chars):
+    assert_same_tokens([text, text * 3], prefix_chars)
+
+
+def test_long_texts_cost_what_their_first_tokens_cost():
+    bounded, whole = tokenizers(4096)
+    rng = np.random.default_rng(0)
+    words = np.array(["reset", "password", "parcel", "billing", "refund", "naïve", "über", "x" * 120])
+    texts = [" ".join(rng.choice(words, 12_000))[:65_536] for _ in range(64)]  # 64 rows of 64 KiB
+    texts[3] = "z" * 65_000 + " tail"  # one enormous word: no cut point, tokenized whole
+    assert_same_tokens(texts, 4096)
+    started = time.perf_counter()
+    bounded.encode(texts)
+    bounded_s = time.perf_counter() - started
+    started = time.perf_counter()
+    whole.encode(texts)
+    whole_s = time.perf_counter() - started
+    print(f"64 x 64 KiB: bounded {bounded_s * 1000:.0f} ms, whole {whole_s * 1000:.0f} ms")
+    assert bounded_s < whole_s / 3
