@@ -106,13 +106,15 @@ def wav(rate: int, frames: int, channels: int = 1, subtype: str = "PCM_16", valu
 
 
 def compressed_silence(seconds: float, rate: int = 16000, format: str = "FLAC") -> bytes:
-    """``seconds`` of digital silence as FLAC or OGG (Vorbis): a few KB."""
+    """``seconds`` of digital silence as FLAC, OGG (Vorbis) or OPUS (OGG/Opus, 48 kHz): tens of KB."""
     import soundfile
 
     buffer = io.BytesIO()
+    subtype = "OPUS" if format == "OPUS" else None
+    rate = 48000 if subtype else rate
     block = np.zeros(rate, dtype=np.float32)
     # one second at a time: libsndfile 1.2.2 crashes writing minutes of Vorbis in one call
-    with soundfile.SoundFile(buffer, "w", rate, 1, format=format) as handle:
+    with soundfile.SoundFile(buffer, "w", rate, 1, format="OGG" if subtype else format, subtype=subtype) as handle:
         for _ in range(int(seconds)):
             handle.write(block)
     return buffer.getvalue()

@@ -165,7 +165,7 @@ def test_other_libsndfile_formats_are_refused():
         speech.decode_audio(buffer.getvalue())
 
 
-@pytest.mark.parametrize("fmt", ["FLAC", "OGG"])
+@pytest.mark.parametrize("fmt", ["FLAC", "OGG", "OPUS"])
 def test_compressed_silence_costs_one_window(fmt):
     data = hostile.compressed_silence(299, format=fmt)
     assert len(data) < 200_000
