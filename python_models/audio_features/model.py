@@ -14,7 +14,8 @@ class TritonPythonModel:
         self.filters = load_mel_filters(version_dir(args) / "mel_filters.npz", int(parameters["n_mels"]))
         self.limits = {"max_seconds": float(parameters["max_audio_seconds"]),
                        "max_bytes": int(parameters["max_audio_bytes"]),
-                       "max_decoded_samples": int(parameters["max_decoded_samples"])}
+                       "max_decoded_samples": int(parameters["max_decoded_samples"]),
+                       "min_sample_rate": int(parameters["min_sample_rate"])}
 
     def execute(self, requests):
         return respond(requests, self.features)

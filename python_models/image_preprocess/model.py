@@ -13,12 +13,9 @@ from triton_pipelines.vision import ImagePreprocessor, PreprocessConfig
 class TritonPythonModel:
     def initialize(self, args):
         parameters = model_parameters(args)
-        self.preprocessor = ImagePreprocessor(
-            PreprocessConfig(max_image_bytes=int(parameters["max_image_bytes"]),
-                             max_image_pixels=int(parameters["max_image_pixels"]),
-                             max_request_pixels=int(parameters["max_request_pixels"]),
-                             jpeg_draft=parameters.get("jpeg_draft", "false").lower() in ("1", "true")),
-            threads=int(parameters["decode_threads"]))
+        # Every limit is a parameter of config.pbtxt named like its PreprocessConfig field.
+        self.preprocessor = ImagePreprocessor(PreprocessConfig.from_parameters(parameters),
+                                              threads=int(parameters["decode_threads"]))
         self.metrics = PreprocessMetrics(args["model_name"], args["model_version"])
 
     def execute(self, requests):

@@ -44,6 +44,17 @@ MAX_AUDIO_BYTES = 64 * 1024 * 1024
 # Decoding work is channels × rate × seconds, read from the header before decoding: 300 s of 48 kHz
 # stereo. A small FLAC of 8 channels at 192 kHz would otherwise decode to GBs.
 MAX_DECODED_SAMPLES = 300 * 48000 * 2
+# A request's cost must follow from what it carries, not from what its header declares:
+# - the sample rate may not be below telephone band (8 kHz): a 644-byte WAV at 1 Hz declared 300 s
+#   and was resampled to 4.8 M samples, 10 Whisper windows (17 s of compute);
+# - only the formats we document (libsndfile reads many more: AIFF, CAF, XI, PAF, ... parsers we
+#   have no reason to expose): WAV (also WAVEX, RF64), FLAC, OGG (Vorbis, Opus);
+# - windows that are digital silence (peak-to-peak under SILENCE_PEAK_TO_PEAK, ~4 LSB of 16-bit
+#   audio: nothing to hear) are not decoded: a few KB of FLAC or Vorbis silence declaring 300 s
+#   costs one window, not ten. A clip that is silent throughout keeps its first window.
+MIN_SAMPLE_RATE = 8000
+AUDIO_FORMATS = ("WAV", "WAVEX", "RF64", "FLAC", "OGG")
+SILENCE_PEAK_TO_PEAK = 2.0 ** -13
 # Decoded and downmixed a block at a time: memory stays at the mono signal's size.
 DECODE_BLOCK_FRAMES = 1 << 18
 
@@ -63,7 +74,8 @@ TASKS = ("transcribe", "translate")
 
 def decode_audio(data: bytes, index: int = 0, input_name: str = "audio",
                  max_seconds: float = MAX_AUDIO_SECONDS, max_bytes: int = MAX_AUDIO_BYTES,
-                 max_decoded_samples: int = MAX_DECODED_SAMPLES) -> np.ndarray:
+                 max_decoded_samples: int = MAX_DECODED_SAMPLES,
+                 min_sample_rate: int = MIN_SAMPLE_RATE) -> np.ndarray:
     """Encoded WAV/FLAC/OGG bytes → float32 mono samples at 16 kHz.
 
     Any sample format soundfile reads (8/16/24/32-bit PCM, float), any channel count (averaged),
@@ -81,6 +93,12 @@ def decode_audio(data: bytes, index: int = 0, input_name: str = "audio",
     try:
         with soundfile.SoundFile(io.BytesIO(data)) as handle:
             rate, frames = handle.samplerate, handle.frames
+            if handle.format not in AUDIO_FORMATS:
+                raise InputError(f"{where} is {handle.format_info or handle.format} audio; accepted: WAV, FLAC, OGG "
+                                 "(Vorbis, Opus)")
+            if rate < min_sample_rate:
+                raise InputError(f"{where} has a sample rate of {rate} Hz; the minimum is {min_sample_rate} Hz "
+                                 "(speech needs at least telephone-band audio)")
             if frames <= 0:
                 raise InputError(f"{where} contains no audio samples")
             if frames / rate > max_seconds:
@@ -169,10 +187,22 @@ def log_mel_spectrogram(window: np.ndarray, filters: np.ndarray) -> np.ndarray:
     return ((log_spec + 4.0) / 4.0).astype(np.float32)
 
 
+def is_silent(window: np.ndarray) -> bool:
+    """Digital silence: peak-to-peak amplitude under ``SILENCE_PEAK_TO_PEAK`` (a constant offset too)."""
+    return len(window) == 0 or float(window.max()) - float(window.min()) < SILENCE_PEAK_TO_PEAK
+
+
+def sounding_windows(audio: np.ndarray) -> list[np.ndarray]:
+    """``split_windows`` without the windows that are digital silence (nothing to transcribe, and
+    cheap to send compressed); the first window when all of them are."""
+    windows = split_windows(audio)
+    return [w for w in windows if not is_silent(w)] or windows[:1]
+
+
 def audio_to_features(data: bytes, filters: np.ndarray, index: int = 0, **limits) -> np.ndarray:
-    """Encoded audio → ``[windows, n_mels, 3000]`` float32."""
+    """Encoded audio → ``[windows, n_mels, 3000]`` float32 (silent windows left out)."""
     audio = decode_audio(data, index=index, **limits)
-    return np.stack([log_mel_spectrogram(w, filters) for w in split_windows(audio)])
+    return np.stack([log_mel_spectrogram(w, filters) for w in sounding_windows(audio)])
 
 
 def pad_windows(features: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
