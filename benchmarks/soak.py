@@ -121,6 +121,11 @@ class Soak:
                 return response.read()
 
         one_text = [{"name": "text", "shape": [1, 1], "datatype": "BYTES", "data": ["hi"]}]
+        from tests import hostile_files
+
+        progressive = hostile_files.progressive_jpeg(scans=20_000)
+        rle_bmp = hostile_files.bmp_rle8_early_row_ends()
+        one_hertz = hostile_files.wav(rate=1, frames=300)
 
         def image_input():
             tensor = grpcclient.InferInput("image", [1, 1], "BYTES")
@@ -158,6 +163,10 @@ class Soak:
             lambda: post("/v2/models/whisper_decoder/infer", json.dumps({"inputs": one_text}).encode()),
             lambda: post("/v2/models/" + "m" * 8000 + "/infer", b"{}"),
             lambda: gzip_infer(),
+            # cheap to send, costly to decode (image_budget.py, speech.py)
+            lambda: grpc.infer("image_classification", {"image": text_tensor([progressive])}),
+            lambda: grpc.infer("image_classification", {"image": text_tensor([rle_bmp])}),
+            lambda: grpc.infer("speech_recognition", {"audio": text_tensor([one_hertz])}),
         ]
         i = 0
         while not self.stop.is_set():
