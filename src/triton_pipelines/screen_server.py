@@ -29,6 +29,8 @@ from .screen import ScreenError, ScreenPolicy, check_grpc_request, check_http_re
 GRPC_INFER_METHOD = "/inference.GRPCInferenceService/ModelInfer"
 _INFER_PATH = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]*))?/infer$")
 _HOP_HEADERS = {b"connection", b"keep-alive", b"transfer-encoding", b"te", b"upgrade", b"proxy-connection"}
+# The only request headers Triton's inference endpoint reads; no other client header reaches it.
+_FORWARDED_HEADERS = {b"host", b"content-type", b"inference-header-content-length", b"accept-encoding"}
 UPSTREAM_TIMEOUT_S = 300.0
 IDLE_UPSTREAM_CONNECTIONS = 64
 _TRANSPORT_FAILURE = re.compile(r"failed to connect|connection refused|socket closed|connection reset|"
@@ -47,6 +49,10 @@ def error_body(message: str) -> bytes:
     return json.dumps({"error": message}).encode()
 
 
+TRITON_GONE = http_response(503, error_body("the inference server is starting or restarting: retry shortly"),
+                            [(b"Retry-After", b"1")])
+
+
 class Upstream:
     """Keep-alive HTTP/1.1 connections to one Triton HTTP port."""
 
@@ -56,12 +62,14 @@ class Upstream:
         self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
 
     async def connection(self):
+        """(reader, writer, reused): a pooled connection if one is open, else a new one."""
         while self.idle:
             reader, writer = self.idle.pop()
             if not writer.is_closing() and not reader.at_eof():
-                return reader, writer
+                return reader, writer, True
             writer.close()
-        return await asyncio.open_connection(self.host, self.port, limit=2**20)
+        reader, writer = await asyncio.open_connection(self.host, self.port, limit=2**20)
+        return reader, writer, False
 
     def release(self, reader, writer, reusable: bool) -> None:
         if reusable and len(self.idle) < IDLE_UPSTREAM_CONNECTIONS:
@@ -146,12 +154,15 @@ class HttpScreen:
             writer.close()
 
     async def forward(self, request_line: bytes, headers, body: bytes) -> bytes:
-        head = [request_line] + [name + b": " + value for name, value in headers
-                                 if name not in _HOP_HEADERS and name != b"content-length"]
+        head = [request_line] + [name + b": " + value for name, value in headers if name in _FORWARDED_HEADERS]
         head.append(b"Content-Length: %d" % len(body))
         message = b"\r\n".join(head) + b"\r\n\r\n"
-        for attempt in (0, 1):  # a pooled connection Triton closed meanwhile: once more on a new one
-            reader, writer = await self.upstream.connection()
+        for attempt in (0, 1):
+            reused = False
+            try:
+                reader, writer, reused = await self.upstream.connection()
+            except OSError:
+                return TRITON_GONE
             try:
                 writer.write(message)
                 writer.write(body)
@@ -163,10 +174,11 @@ class HttpScreen:
                 response_body = await asyncio.wait_for(read_body(reader, response_headers), UPSTREAM_TIMEOUT_S)
             except (ConnectionError, asyncio.IncompleteReadError, OSError) as error:
                 writer.close()
-                if attempt == 0 and not isinstance(error, asyncio.IncompleteReadError):
+                # Only a pooled connection is tried again: Triton closes idle keep-alive connections,
+                # and one it had closed read nothing. (A Triton that died mid-request refuses the retry.)
+                if attempt == 0 and reused and not isinstance(error, asyncio.IncompleteReadError):
                     continue
-                return http_response(503, error_body("the inference server is starting or restarting: retry shortly"),
-                                     [(b"Retry-After", b"1")])
+                return TRITON_GONE
             except asyncio.TimeoutError:
                 writer.close()
                 return http_response(503, error_body("the inference server did not answer in time"))

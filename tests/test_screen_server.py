@@ -1,0 +1,106 @@
+"""The request screen's HTTP forwarder (screen_server.HttpScreen) against a fake Triton: what it
+forwards, how it frames answers, and what a client gets when Triton fails. No server needed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from triton_pipelines.screen import ScreenPolicy
+from triton_pipelines.screen_server import HttpScreen, Upstream
+
+BODY = json.dumps({"inputs": [{"name": "text", "shape": [1, 1], "datatype": "BYTES", "data": ["hi"]}]}).encode()
+STUB_DEAD = b'{"error":"Failed to process the request(s) for model \'text_tokenizer_0_0\', message: Stub process \'text_tokenizer_0_0\' is not healthy."}'
+
+
+class FakeTriton:
+    """Answers each request with the next scripted raw response; records what it received."""
+
+    def __init__(self, answers: list[bytes]):
+        self.answers, self.received, self.connections = list(answers), [], 0
+
+    async def handle(self, reader, writer):
+        self.connections += 1
+        while self.answers:
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except asyncio.IncompleteReadError:
+                break
+            length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length")))
+            self.received.append((head, await reader.readexactly(length)))
+            answer = self.answers.pop(0)
+            if answer == b"close":
+                break
+            writer.write(answer)
+            await writer.drain()
+        writer.close()
+
+
+async def exchange(answers: list[bytes], requests: list[bytes]) -> tuple[list[bytes], FakeTriton]:
+    triton = FakeTriton(answers)
+    upstream = await asyncio.start_server(triton.handle, "127.0.0.1", 0)
+    port = upstream.sockets[0].getsockname()[1]
+    screen = HttpScreen(ScreenPolicy(max_body_bytes=2**20, public_models=frozenset({"text_embedding"})),
+                        Upstream(f"127.0.0.1:{port}"))
+    front = await asyncio.start_server(screen.serve, "127.0.0.1", 0)
+    reader, writer = await asyncio.open_connection("127.0.0.1", front.sockets[0].getsockname()[1])
+    replies = []
+    for request in requests:
+        writer.write(request)
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length")))
+        replies.append(head + await reader.readexactly(length))
+    writer.close()
+    front.close()
+    upstream.close()
+    return replies, triton
+
+
+def request(body: bytes = BODY, model: str = "text_embedding", extra: bytes = b"") -> bytes:
+    return (b"POST /v2/models/%s/infer HTTP/1.1\r\nHost: triton\r\nContent-Length: %d\r\nCookie: secret\r\n"
+            b"X-Padding: ppp\r\n%s\r\n" % (model.encode(), len(body), extra) + body)
+
+
+def run(answers, requests):
+    return asyncio.run(exchange(answers, requests))
+
+
+def test_only_the_headers_triton_reads_are_forwarded_and_connections_are_reused():
+    ok = b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}'
+    replies, triton = run([ok, ok], [request(extra=b"Inference-Header-Content-Length: %d\r\n" % len(BODY))] * 2)
+    assert all(r.startswith(b"HTTP/1.1 200") and r.endswith(b"{}") for r in replies)
+    head, body = triton.received[0]
+    assert body == BODY
+    names = {line.split(b":")[0].lower() for line in head.split(b"\r\n")[1:] if line}
+    assert names == {b"host", b"inference-header-content-length", b"content-length"}
+    assert triton.connections == 1  # keep-alive to Triton
+
+
+def test_a_chunked_answer_is_passed_on_with_a_length():
+    chunked = b'HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\n{"a\r\n4\r\n":1}\r\n0\r\n\r\n'
+    (reply,), _ = run([chunked], [request()])
+    assert b"Content-Length: 7" in reply and reply.endswith(b'{"a":1}') and b"chunked" not in reply
+
+
+def test_a_dead_stub_becomes_a_retryable_503():
+    error = b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: %d\r\n\r\n%s" % (len(STUB_DEAD), STUB_DEAD)
+    (reply,), _ = run([error], [request()])
+    assert reply.startswith(b"HTTP/1.1 503") and b"Retry-After: 1" in reply and b"retry shortly" in reply
+
+
+def test_triton_gone_is_a_503_and_refusals_never_reach_it():
+    (gone, refused), triton = run([b"close", b"close"], [request(), request(model="text_encoder")])
+    assert gone.startswith(b"HTTP/1.1 503") and b"restarting" in gone
+    assert refused.startswith(b"HTTP/1.1 404") and b"unknown model 'text_encoder'" in refused
+    assert len(triton.received) <= 2 and all(b"text_encoder" not in head for head, _ in triton.received)
+
+
+@pytest.mark.parametrize("body,status", [(b"", b"400"), (b"null", b"400"), (b'{"inputs":[' + b"[" * 5000, b"400")])
+def test_bad_bodies_are_answered_by_the_screen(body, status):
+    (reply,), triton = run([], [request(body)])
+    assert reply.startswith(b"HTTP/1.1 " + status) and b'{"error": ' in reply
+    assert not triton.received
