@@ -1,5 +1,5 @@
-"""What the public front (nginx) costs: the same perf_analyzer run against Triton's own loopback
-port and against the public port, back to back, on both protocols.
+"""What the public front (nginx, and for inference the request screen) costs: the same perf_analyzer
+run against Triton's own loopback port and against the public port, back to back, on both protocols.
 
 The model is ``text_tokenizer`` (a small Python model: the proxy's share is largest where the work is
 smallest); pairs are measured alternately and the median difference is reported."""
@@ -32,9 +32,10 @@ def run(server) -> str:
             rows.append([protocol, concurrency, statistics.median(d.p50_ms for d, _ in pairs),
                          statistics.median(p.p50_ms for _, p in pairs), f"{added * 1000:+.0f} µs",
                          f"{ratio:.0%}"])
-    table = markdown_table(["protocol", "concurrency", "p50 direct (ms)", "p50 through nginx (ms)",
-                            "added p50 (median of pairs)", "throughput through nginx / direct"], rows)
-    return (f"## The public front (nginx)\n\n"
-            f"`perf_analyzer` on `{MODEL}`, Triton's own loopback port against the public port, {PAIRS} "
-            f"back-to-back pairs per row. nginx adds {summary[('grpc', 1)] * 1000:+.0f} µs (gRPC) and "
+    table = markdown_table(["protocol", "concurrency", "p50 direct (ms)", "p50 through the front (ms)",
+                            "added p50 (median of pairs)", "throughput through the front / direct"], rows)
+    return (f"## The public front (nginx and the request screen)\n\n"
+            f"`perf_analyzer` on `{MODEL}`, Triton's own loopback port against the public port (nginx, then "
+            f"the replica's request screen, which parses each inference request), {PAIRS} back-to-back "
+            f"pairs per row. The front adds {summary[('grpc', 1)] * 1000:+.0f} µs (gRPC) and "
             f"{summary[('http', 1)] * 1000:+.0f} µs (HTTP) to the p50 of one request at a time.\n\n{table}")
