@@ -206,6 +206,7 @@ class Soak:
         sample["rss"]["launcher (python)"] = rss(os.getpid())
         proxy = self.server.proxy.process.pid
         sample["rss"]["nginx"] = rss(proxy) + sum(rss(p) for p in child_pids(proxy))
+        sample["rss"]["request screen"] = sum(rss(r.screen.pid) for r in self.server.replicas)
         for stub in find_stubs(triton):
             sample["rss"][f"stub {stub.model}"] += rss(stub.pid)
             sample["shm"][stub.model] += (SHM_DIR / stub.shm_region).stat().st_size \
@@ -261,7 +262,8 @@ def rss(pid: int) -> int:
 
 
 def p99_ms(values) -> float:
-    return float(np.percentile(list(values), 99)) * 1000 if values else float("nan")
+    values = list(values)  # a generator is truthy even when empty
+    return float(np.percentile(values, 99)) * 1000 if values else float("nan")
 
 
 def report(soak: Soak, seconds: float) -> str:
