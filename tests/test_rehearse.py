@@ -64,3 +64,22 @@ def test_server_imports_follow_the_launcher_to_the_client():
     found = rehearse.server_imports(rehearse.ROOT)
     assert "tritonclient" in found  # launcher -> warm-up -> client (issue 20, item 2)
     assert "numpy" in found
+
+
+def test_extract_wheel_keeps_execute_bits(tmp_path):
+    import zipfile
+
+    wheel = tmp_path / "x-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        for name, mode in (("pkg/bin/server", 0o100777), ("pkg/lib.py", 0o100644)):
+            info = zipfile.ZipInfo(name)
+            info.external_attr = mode << 16
+            archive.writestr(info, "x")
+    out = rehearse.extract_wheel(wheel, tmp_path / "out")
+    assert (out / "pkg/bin/server").stat().st_mode & 0o777 == 0o755
+    assert (out / "pkg/lib.py").stat().st_mode & 0o777 == 0o644
+
+
+def test_triton_standin_checks_its_server_is_executable():
+    text = rehearse.triton_containerfile("localhost/base:1", "/root/.pyenv/versions/3.10.13")
+    assert "test -x /opt/tritonserver/bin/tritonserver" in text

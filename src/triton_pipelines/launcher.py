@@ -654,6 +654,18 @@ def main(argv: list[str] | None = None) -> int:
                      f"crash tritonserver 2.51")
     if args.max_inflight < 1:
         parser.error("--max-inflight must be at least 1")
+    if args.models is None and args.backend_dir is not None:
+        # A model whose backend is not in --backend-dir would make tritonserver exit at start: leave
+        # it out (and the ensembles on it), say so, serve the rest (backends.py).
+        from .backends import unloadable
+
+        missing = unloadable(args.model_repository, args.backend_dir)
+        if missing:
+            print(f"[launcher] not loading {len(missing)} models this server's backends cannot serve: "
+                  + "; ".join(f"{name} ({why})" for name, why in sorted(missing.items())), file=sys.stderr, flush=True)
+            args.models = sorted({p.parent.name for p in args.model_repository.glob("*/config.pbtxt")} - set(missing))
+            if not args.models:
+                parser.error(f"no model in {args.model_repository} can load from {args.backend_dir}")
     http_port = _port(args.http_port, "TRITON_HTTP_PORT", DEFAULT_HTTP_PORT)
     options = ServerOptions(
         model_repository=args.model_repository,
