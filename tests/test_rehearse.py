@@ -83,3 +83,29 @@ def test_extract_wheel_keeps_execute_bits(tmp_path):
 def test_triton_standin_checks_its_server_is_executable():
     text = rehearse.triton_containerfile("localhost/base:1", "/root/.pyenv/versions/3.10.13")
     assert "test -x /opt/tritonserver/bin/tritonserver" in text
+
+
+def test_the_no_gpu_override_drops_only_the_gpu_reservations_and_the_triton_ulimits():
+    import sys
+
+    import yaml
+
+    binary = sys.executable.replace("/python", "/docker-compose")
+
+    def config(*files: str) -> dict:
+        command = [binary, "--project-directory", str(rehearse.ROOT), "--profile", "gpu"]
+        for name in files:
+            command += ["-f", str(rehearse.ROOT / name)]
+        out = subprocess.run([*command, "config", "--format", "yaml"], capture_output=True, check=True,
+                             env={"PATH": "/usr/bin:/bin"}).stdout
+        return yaml.safe_load(out)["services"]
+
+    shipped = config("docker-compose.yml")
+    rehearsed = config("docker-compose.yml", rehearse.NO_GPU_OVERRIDE)
+    for name in ("triton", "trt-engine-builder"):
+        assert shipped[name]["deploy"]["resources"]["reservations"]["devices"]
+        assert not rehearsed[name].get("deploy")
+        shipped[name].pop("deploy")
+        rehearsed[name].pop("deploy", None)
+    assert shipped["triton"].pop("ulimits") and "ulimits" not in rehearsed["triton"]
+    assert rehearsed == shipped
