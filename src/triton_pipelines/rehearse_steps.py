@@ -111,7 +111,15 @@ class Steps:
         user = run(["podman", "exec", triton["Name"], "id", "-u"], capture=True).stdout.decode().strip()
         if user != "1000":
             raise RuntimeError(f"triton-cpu runs as uid {user}, not 1000")
-        return (f"builder service done and triton-cpu up in {built:.0f} s, healthy after "
+        # `up -d` shows no service output: the builder's goes to the log, its summary to this line.
+        logs = self.compose("--profile", "cpu", "logs", "--no-color", "repository-builder-cpu", capture=True,
+                            check=False)
+        text = (logs.stdout + logs.stderr).decode(errors="replace")
+        with open(self.r.logfile, "a") as log:
+            log.write(text)
+        summary = next((line.split("[repo_builder] ", 1)[1].split(";")[0] for line in text.splitlines()
+                        if "[repo_builder] embedded repository at" in line), "builder summary not found")
+        return (f"builder service done ({summary}) and triton-cpu up in {built:.0f} s, healthy after "
                 f"{time.monotonic() - started:.0f} s, as uid {user}")
 
     def ps(self) -> list[dict]:
