@@ -109,3 +109,29 @@ def test_the_no_gpu_override_drops_only_the_gpu_reservations_and_the_triton_ulim
         rehearsed[name].pop("deploy", None)
     assert shipped["triton"].pop("ulimits") and "ulimits" not in rehearsed["triton"]
     assert rehearsed == shipped
+
+
+def test_a_failed_step_fails_the_rehearsal_and_only_the_clean_up_runs_after_it(tmp_path, monkeypatch, capsys):
+    from triton_pipelines import rehearse_steps
+
+    ran = []
+
+    def step(name, ok=True):
+        def function():
+            ran.append(name)
+            if not ok:
+                raise RuntimeError(f"{name} broke")
+            return f"{name} done"
+        return function
+
+    monkeypatch.setattr(rehearse_steps, "steps", lambda r: [
+        ("cpu: compose up", step("up", ok=False)), ("gpu: builder service", step("gpu")),
+        (rehearse.CLEANUP_STEP, step("clean"))])
+    r = rehearse.Rehearsal(rehearse.ROOT, tmp_path, tmp_path / "log")
+    monkeypatch.setattr(r, "step_podman", step("podman"))
+    monkeypatch.setattr(r, "step_standins", step("standins"))
+    monkeypatch.setattr(r, "step_build_targets", step("build"))
+    assert r.run_all() == 1
+    assert ran == ["podman", "standins", "build", "up", "clean"]
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("rehearse: [")]
+    assert len(lines) == 5 and lines[3].startswith("rehearse: [FAIL] cpu: compose up") and "up broke" in lines[3]
