@@ -12,6 +12,7 @@ ensembles built on them, are left out there and reported.
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
 # Triton's platform names and the backend that serves each.
@@ -54,3 +55,16 @@ def unloadable(repository: Path, backend_dir: Path) -> dict[str, str]:
                 why[name] = f"ensemble step {blocked[0]} cannot load"
                 changed = True
     return why
+
+
+def models_to_load(repository: Path, backend_dir: Path) -> list[str] | None:
+    """What the launcher asks tritonserver to load: None (every model, ``--load-model=*``) when the
+    backend folder serves them all, else the models it can serve, after one log line naming the rest
+    and why. None too when it can serve none (tritonserver then says why each fails)."""
+    missing = unloadable(repository, backend_dir)
+    if not missing:
+        return None
+    print(f"[launcher] not loading {len(missing)} models this server's backends cannot serve: "
+          + "; ".join(f"{name} ({why})" for name, why in sorted(missing.items())), file=sys.stderr, flush=True)
+    loadable = sorted({p.parent.name for p in Path(repository).glob("*/config.pbtxt")} - set(missing))
+    return loadable or None

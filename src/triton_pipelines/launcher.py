@@ -43,6 +43,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .backends import models_to_load
 from .control import (STATE_ENV, ControlClient, private_dir, resolve_key, restricted_api_flags,
                       write_private)
 from .drain import drain
@@ -654,18 +655,6 @@ def main(argv: list[str] | None = None) -> int:
                      f"crash tritonserver 2.51")
     if args.max_inflight < 1:
         parser.error("--max-inflight must be at least 1")
-    if args.models is None and args.backend_dir is not None:
-        # A model whose backend is not in --backend-dir would make tritonserver exit at start: leave
-        # it out (and the ensembles on it), say so, serve the rest (backends.py).
-        from .backends import unloadable
-
-        missing = unloadable(args.model_repository, args.backend_dir)
-        if missing:
-            print(f"[launcher] not loading {len(missing)} models this server's backends cannot serve: "
-                  + "; ".join(f"{name} ({why})" for name, why in sorted(missing.items())), file=sys.stderr, flush=True)
-            args.models = sorted({p.parent.name for p in args.model_repository.glob("*/config.pbtxt")} - set(missing))
-            if not args.models:
-                parser.error(f"no model in {args.model_repository} can load from {args.backend_dir}")
     http_port = _port(args.http_port, "TRITON_HTTP_PORT", DEFAULT_HTTP_PORT)
     options = ServerOptions(
         model_repository=args.model_repository,
@@ -686,6 +675,8 @@ def main(argv: list[str] | None = None) -> int:
         warm_pipelines=not args.no_pipeline_warmup,
         extra_args=args.extra_args,
     )
+    if options.models is None and options.backend_dir is not None:
+        options.models = models_to_load(options.model_repository, options.backend_dir)  # backends.py
     server = Launcher(options)
     shortfall = shm_shortfall(args.model_repository, args.replicas)
     if shortfall:
