@@ -157,7 +157,9 @@ def test_compose_serves_the_ngc_2_51_image_on_the_native_ports():
     dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
     assert "FROM nvcr.io/nvidia/tritonserver:24.10-py3 AS serving" in dockerfile
     triton = compose()["services"]["triton"]
-    assert triton["ports"] == ["8000:8000", "8001:8001", "8002:8002"]
+    # the native ports in the container; on the host 8000-8002 unless TRITON_*_PORT says otherwise
+    assert triton["ports"] == [f"${{TRITON_{name}_PORT:-{port}}}:{port}"
+                               for name, port in (("HTTP", 8000), ("GRPC", 8001), ("METRICS", 8002))]
     assert triton["volumes"][0].startswith("./model_repository:/models")
 
 
