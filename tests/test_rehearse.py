@@ -64,3 +64,74 @@ def test_server_imports_follow_the_launcher_to_the_client():
     found = rehearse.server_imports(rehearse.ROOT)
     assert "tritonclient" in found  # launcher -> warm-up -> client (issue 20, item 2)
     assert "numpy" in found
+
+
+def test_extract_wheel_keeps_execute_bits(tmp_path):
+    import zipfile
+
+    wheel = tmp_path / "x-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        for name, mode in (("pkg/bin/server", 0o100777), ("pkg/lib.py", 0o100644)):
+            info = zipfile.ZipInfo(name)
+            info.external_attr = mode << 16
+            archive.writestr(info, "x")
+    out = rehearse.extract_wheel(wheel, tmp_path / "out")
+    assert (out / "pkg/bin/server").stat().st_mode & 0o777 == 0o755
+    assert (out / "pkg/lib.py").stat().st_mode & 0o777 == 0o644
+
+
+def test_triton_standin_checks_its_server_is_executable():
+    text = rehearse.triton_containerfile("localhost/base:1", "/root/.pyenv/versions/3.10.13")
+    assert "test -x /opt/tritonserver/bin/tritonserver" in text
+
+
+def test_the_no_gpu_override_drops_only_the_gpu_reservations_and_the_triton_ulimits():
+    import sys
+
+    import yaml
+
+    binary = sys.executable.replace("/python", "/docker-compose")
+
+    def config(*files: str) -> dict:
+        command = [binary, "--project-directory", str(rehearse.ROOT), "--profile", "gpu"]
+        for name in files:
+            command += ["-f", str(rehearse.ROOT / name)]
+        out = subprocess.run([*command, "config", "--format", "yaml"], capture_output=True, check=True,
+                             env={"PATH": "/usr/bin:/bin"}).stdout
+        return yaml.safe_load(out)["services"]
+
+    shipped = config("docker-compose.yml")
+    rehearsed = config("docker-compose.yml", rehearse.NO_GPU_OVERRIDE)
+    for name in ("triton", "trt-engine-builder"):
+        assert shipped[name]["deploy"]["resources"]["reservations"]["devices"]
+        assert not rehearsed[name].get("deploy")
+        shipped[name].pop("deploy")
+        rehearsed[name].pop("deploy", None)
+    assert shipped["triton"].pop("ulimits") and "ulimits" not in rehearsed["triton"]
+    assert rehearsed == shipped
+
+
+def test_a_failed_step_fails_the_rehearsal_and_only_the_clean_up_runs_after_it(tmp_path, monkeypatch, capsys):
+    from triton_pipelines import rehearse_steps
+
+    ran = []
+
+    def step(name, ok=True):
+        def function():
+            ran.append(name)
+            if not ok:
+                raise RuntimeError(f"{name} broke")
+            return f"{name} done"
+        return function
+
+    monkeypatch.setattr(rehearse_steps, "steps", lambda r: [
+        ("cpu: compose up", step("up", ok=False)), ("gpu: builder service", step("gpu")),
+        (rehearse.CLEANUP_STEP, step("clean"))])
+    r = rehearse.Rehearsal(rehearse.ROOT, tmp_path, tmp_path / "log")
+    monkeypatch.setattr(r, "step_podman", step("podman"))
+    monkeypatch.setattr(r, "step_standins", step("standins"))
+    monkeypatch.setattr(r, "step_build_targets", step("build"))
+    assert r.run_all() == 1
+    assert ran == ["podman", "standins", "build", "up", "clean"]
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("rehearse: [")]
+    assert len(lines) == 5 and lines[3].startswith("rehearse: [FAIL] cpu: compose up") and "up broke" in lines[3]

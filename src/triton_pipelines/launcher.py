@@ -43,6 +43,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .backends import models_to_load
 from .control import (STATE_ENV, ControlClient, private_dir, resolve_key, restricted_api_flags,
                       write_private)
 from .drain import drain
@@ -763,6 +764,8 @@ def main(argv: list[str] | None = None) -> int:
         warm_pipelines=not args.no_pipeline_warmup,
         extra_args=args.extra_args,
     )
+    if options.models is None and options.backend_dir is not None:
+        options.models = models_to_load(options.model_repository, options.backend_dir)  # backends.py
     server = Launcher(options)
     shortfall = shm_shortfall(args.model_repository, args.replicas)
     if shortfall:

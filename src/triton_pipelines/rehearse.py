@@ -60,6 +60,8 @@ TARGET_IMAGES = {"builder": "triton-pipelines-builder:latest", "serving": "trito
 NO_GPU_OVERRIDE = "docker/compose.no-gpu.yml"
 PYTHON310 = Path(os.environ.get("REHEARSE_PYTHON310", Path.home() / ".pyenv" / "versions" / "3.10.13"))
 PYTRITON = "nvidia-pytriton==0.7.0"
+# Runs even after a failed step (rehearse_steps.py).
+CLEANUP_STEP = "clean up"
 
 
 def log(message: str) -> None:
@@ -123,6 +125,9 @@ RUN apt-get update \\
 COPY python3.10 {python_prefix}
 COPY pytriton /opt/pytriton
 # Python 3.10 as python3/pip (NGC has no `python`); the prefix readable by the server's user.
+# The stub's libpython3.10 and libcudart on the loader's path, as NGC has them (/usr/lib, CUDA): the
+# Python backend runs the stub without arguments at every load and, unless it exits 1 (its usage
+# error), tries to chmod it, which fails for the non-root server user.
 RUN chmod 755 /root "$(dirname {python_prefix})" \\
  && for n in python3 python3.10 pip pip3 pip3.10; do ln -sf {python_prefix}/bin/$n /usr/local/bin/$n; done \\
  && ! command -v python \\
@@ -131,6 +136,11 @@ RUN chmod 755 /root "$(dirname {python_prefix})" \\
  && cp -r /opt/pytriton/pytriton/tritonserver/backends/python /opt/tritonserver/backends/python \\
  && cp /opt/pytriton/pytriton/tritonserver/python_backend_stubs/3.10/triton_python_backend_stub \\
        /opt/tritonserver/backends/python/triton_python_backend_stub \\
+ && test -x /opt/tritonserver/bin/tritonserver \\
+ && test -x /opt/tritonserver/backends/python/triton_python_backend_stub \\
+ && printf '%s\\n' {python_prefix}/lib /opt/pytriton/nvidia_pytriton.libs > /etc/ld.so.conf.d/tritonserver.conf \\
+ && ldconfig \\
+ && (/opt/tritonserver/backends/python/triton_python_backend_stub >/dev/null 2>&1; test $? -eq 1) \\
  && useradd --no-create-home --uid 1000 --user-group triton-server \\
  && ! python3 -c "import tritonclient" 2>/dev/null
 ENV LANG=C.UTF-8
@@ -149,6 +159,20 @@ EXPOSE 9090
 ENTRYPOINT ["/usr/bin/prometheus"]
 CMD ["--config.file=/etc/prometheus/prometheus.yml", "--storage.tsdb.path=/prometheus"]
 """
+
+
+def extract_wheel(wheel: Path, destination: Path) -> Path:
+    """Unpack a wheel as pip would, execute bits included (`python -m zipfile -e` drops them: the
+    stand-in's tritonserver and Python stub were then not executable by the server's user)."""
+    import zipfile
+
+    with zipfile.ZipFile(wheel) as archive:
+        for info in archive.infolist():
+            path = Path(archive.extract(info, destination))
+            mode = info.external_attr >> 16
+            if not info.is_dir():
+                path.chmod(0o755 if mode & 0o111 else 0o644)
+    return destination
 
 
 def tree_files(root: Path) -> list[str]:
@@ -323,7 +347,7 @@ class Rehearsal:
                  "--python-version", "3.10", "--platform", "manylinux_2_35_x86_64", "-d", str(wheel_dir),
                  PYTRITON], logfile=self.logfile)
             wheel = next(wheel_dir.glob("nvidia_pytriton-0.7.0-*.whl"))
-            run(["python3", "-m", "zipfile", "-e", str(wheel), str(ctx / "pytriton")], logfile=self.logfile)
+            extract_wheel(wheel, ctx / "pytriton")
             self.build_image(TRITON_IMAGE, triton_file, ctx, key)
             shutil.rmtree(ctx, ignore_errors=True)
             built.append("tritonserver")
@@ -407,9 +431,12 @@ class Rehearsal:
         steps = [("podman", self.step_podman), ("stand-in images", self.step_standins),
                  ("build images", self.step_build_targets), *rehearse_steps.steps(self)]
         try:
+            failed_at = None
             for name, function in steps:
-                if not self.step(name, function):
-                    break
+                if failed_at is not None and name != CLEANUP_STEP:
+                    continue  # after a failure only the clean-up runs (no containers left behind)
+                if not self.step(name, function) and failed_at is None:
+                    failed_at = name
         finally:
             self.stop_service()
         failed = [r for r in self.results if not r[1]]

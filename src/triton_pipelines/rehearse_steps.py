@@ -12,8 +12,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from .rehearse import (NO_GPU_OVERRIDE, TARGET_IMAGES, TRITON_MODULES, copy_tree, free_port, run,
-                       server_imports)
+from .rehearse import (CLEANUP_STEP, NO_GPU_OVERRIDE, TARGET_IMAGES, TRITON_MODULES, copy_tree, free_port,
+                       run, server_imports)
 
 # Served through the public ports in the cpu profile (one request each, HTTP and gRPC).
 PIPELINES = ("text_embedding", "text_classification", "image_classification", "speech_recognition")
@@ -23,6 +23,8 @@ MAX_WER = 0.25
 # Whisper size the gpu profile's builder exports here (large-v3 needs ~19.3 GiB: docs/operations.md).
 REHEARSAL_WHISPER_SIZE = "base"
 HEALTH_TIMEOUT_S = 900
+# rehearse_check.py's checks, one `check:` line each when they pass.
+CHECKS = 4
 
 
 def unreadable(root: Path) -> list[str]:
@@ -97,13 +99,27 @@ class Steps:
             health = (triton or {}).get("Health", "")
             if health == "healthy":
                 break
+            if triton is not None and triton.get("State") == "running":
+                # Podman runs a container's healthcheck from a systemd timer; our machines (and CI)
+                # have no systemd, so nothing would ever run it and the state would stay "starting".
+                # Run the compose file's own healthcheck command as the timer would (its interval:
+                # this loop's 5 s); podman records the result and compose reports it.
+                run(["podman", "healthcheck", "run", triton["Name"]], check=False, capture=True)
             if triton is None or triton.get("State") in ("exited", "dead") or time.monotonic() > deadline:
                 raise RuntimeError(f"triton-cpu not healthy: {triton} (log: compose logs, {self.r.logfile})")
             time.sleep(5)
         user = run(["podman", "exec", triton["Name"], "id", "-u"], capture=True).stdout.decode().strip()
         if user != "1000":
             raise RuntimeError(f"triton-cpu runs as uid {user}, not 1000")
-        return (f"builder service done and triton-cpu up in {built:.0f} s, healthy after "
+        # `up -d` shows no service output: the builder's goes to the log, its summary to this line.
+        logs = self.compose("--profile", "cpu", "logs", "--no-color", "repository-builder-cpu", capture=True,
+                            check=False)
+        text = (logs.stdout + logs.stderr).decode(errors="replace")
+        with open(self.r.logfile, "a") as log:
+            log.write(text)
+        summary = next((line.split("[repo_builder] ", 1)[1].split(";")[0] for line in text.splitlines()
+                        if "[repo_builder] embedded repository at" in line), "builder summary not found")
+        return (f"builder service done ({summary}) and triton-cpu up in {built:.0f} s, healthy after "
                 f"{time.monotonic() - started:.0f} s, as uid {user}")
 
     def ps(self) -> list[dict]:
@@ -221,8 +237,11 @@ class Steps:
         with open(self.r.logfile, "a") as log:
             log.write(out)
         summary = [line for line in out.splitlines() if line.startswith("check:")]
-        if result.returncode != 0:
-            raise RuntimeError("; ".join(summary) or out[-2000:])
+        # Compose's `run` against podman 4.3 exits 0 even when the container could not start ("unable
+        # to upgrade to tcp, received 409") or exited non-zero: the check's own lines decide.
+        if result.returncode != 0 or len(summary) != CHECKS or any(" FAIL" in line for line in summary):
+            raise RuntimeError(f"exit {result.returncode}, {len(summary)} of {CHECKS} checks: "
+                               + ("; ".join(summary) or out[-2000:]))
         return "; ".join(line[len("check: "):] for line in summary)
 
     def cleanup(self) -> str:
@@ -231,8 +250,9 @@ class Steps:
         for project in (self.project, self.project + "gpu"):
             for tree in (self.r.tree, self.r.gpu_tree):
                 if tree is not None:
-                    self.r.compose(tree, project, "down", "--volumes", "--remove-orphans", env=self.env,
-                                   check=False, timeout=300)
+                    self.r.compose(tree, project, "--profile", "cpu", "--profile", "gpu", "down", "--volumes",
+                                   "--remove-orphans", env=self.env or self.r.start_service(), check=False,
+                                   timeout=300)
         for tree in (self.r.tree, self.r.gpu_tree):
             if tree is not None:
                 shutil.rmtree(tree, ignore_errors=True)
@@ -245,7 +265,7 @@ def steps(rehearsal) -> list:
             ("cpu: pipelines through the public ports", s.cpu_pipelines),
             ("cpu: prometheus", s.cpu_prometheus), ("cpu: compose stop and down", s.cpu_down),
             ("gpu: builder service", s.gpu_build), ("gpu: serving container checks", s.gpu_serving),
-            ("clean up", s.cleanup)]
+            (CLEANUP_STEP, s.cleanup)]
 
 
 __all__ = ["steps", "unreadable", "TARGET_IMAGES", "TRITON_MODULES", "server_imports"]
