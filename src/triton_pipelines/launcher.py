@@ -298,6 +298,9 @@ class Replica:
                 drain(self.control, timeout_s=self.options.exit_timeout_secs, never_unloads=leaked)
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, RuntimeError) as error:
                 self.log(f"drain skipped: {error}")
+            # Nothing is routed here any more: the screen's idle keep-alive connections would only
+            # make Triton wait out its exit timeout for them ("Found 1 HTTP service connections").
+            self._stop_screen()
             self.process.send_signal(signal.SIGTERM)
             # Drained, nothing is in flight: Triton would only wait its exit timeout for an instance
             # it never releases (a model whose stub died), so that wait is cut short.
@@ -310,12 +313,16 @@ class Replica:
                 self.process.kill()
                 self.process.wait()
         remove_leftovers(self.process.pid, self.shm_prefix)
+        self._stop_screen()
+
+    def _stop_screen(self) -> None:
         if self.screen_alive():
             self.screen.terminate()
             try:
                 self.screen.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 self.screen.kill()
+                self.screen.wait()
 
 
 def public_models_file(options: ServerOptions, state_dir: Path) -> Path | None:
