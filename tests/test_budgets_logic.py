@@ -30,10 +30,10 @@ def config_parameters(model: str) -> dict[str, str]:
 
 
 def refused_fast(data: bytes, match: str, config: PreprocessConfig = PreprocessConfig()) -> None:
-    started = time.perf_counter()
+    started = time.process_time()
     with pytest.raises(InputError, match=match):
         preprocess_image(data, config)
-    assert time.perf_counter() - started < 0.5
+    assert time.process_time() - started < 0.5
 
 
 def test_image_preprocess_config_holds_the_python_defaults():
@@ -62,9 +62,9 @@ def test_jpeg_with_too_many_segments_is_refused():
 def test_rle_bmp_is_bounded_by_its_own_pixel_limit():
     refused_fast(hostile.bmp_rle8_early_row_ends(), r"RLE8 BMP of 7071x7071 = 49999041 pixels; .* limited to 1000000")
     refused_fast(hostile.bmp_rle8_early_row_ends(2000, 1000, rle4=True), "RLE4 BMP of 2000x1000")
-    started = time.perf_counter()
+    started = time.process_time()
     assert preprocess_image(hostile.bmp_rle8_early_row_ends(1000, 1000)).shape == (3, 224, 224)
-    assert time.perf_counter() - started < 2  # the worst case at the limit (~0.3 s measured)
+    assert time.process_time() - started < 2  # the worst case at the limit (~0.3 s measured)
     buffer = io.BytesIO()  # uncompressed BMP: C decoder, only the pixel limit applies
     Image.new("RGB", (2000, 1000), (10, 20, 30)).save(buffer, "BMP")
     assert preprocess_image(buffer.getvalue()).shape == (3, 224, 224)
@@ -102,9 +102,9 @@ def test_overlapping_exif_and_mpf_directories_are_refused():
     app2 = b"\xff\xe2" + struct.pack(">H", len(mpf) + 2) + mpf
     refused_fast(base[:2] + app2 + base[2:], "MPF directory of 1000 tags")
     # a PNG's EXIF never reaches Pillow's reader: the image is answered, quickly
-    started = time.perf_counter()
+    started = time.process_time()
     assert preprocess_image(hostile.exif_bomb_png(4000, 40_000)).shape == (3, 224, 224)
-    assert time.perf_counter() - started < 0.5
+    assert time.process_time() - started < 0.5
 
 
 @pytest.mark.parametrize("orientation", range(1, 9))
@@ -142,10 +142,10 @@ def test_audio_features_config_holds_the_python_defaults():
 @pytest.mark.parametrize("rate", [1, 100, 7999])
 def test_audio_below_telephone_band_is_refused(rate):
     data = hostile.wav(rate, 300 * rate if rate < 7999 else 8000)
-    started = time.perf_counter()
+    started = time.process_time()
     with pytest.raises(InputError, match=f"has a sample rate of {rate} Hz; the minimum is 8000 Hz"):
         speech.decode_audio(data)
-    assert time.perf_counter() - started < 0.2
+    assert time.process_time() - started < 0.2
     assert len(speech.decode_audio(hostile.wav(8000, 8000))) == 16000  # 1 s at the floor: decoded
 
 
@@ -170,9 +170,9 @@ def test_compressed_silence_costs_one_window(fmt):
     data = hostile.compressed_silence(299, format=fmt)
     assert len(data) < 200_000
     filters = np.zeros((80, 201), np.float32)
-    started = time.perf_counter()
+    started = time.process_time()
     assert speech.audio_to_features(data, filters).shape == (1, 80, 3000)
-    assert time.perf_counter() - started < 5
+    assert time.process_time() - started < 5
 
 
 def test_silent_windows_are_left_out_and_sounding_ones_kept():
@@ -244,12 +244,12 @@ def test_long_texts_cost_what_their_first_tokens_cost():
     texts = [" ".join(rng.choice(words, 12_000))[:65_536] for _ in range(64)]  # 64 rows of 64 KiB
     texts[3] = "z" * 65_000 + " tail"  # one enormous word: no cut point, tokenized whole
     assert_same_tokens(texts, 4096)
-    started = time.perf_counter()
+    started = time.process_time()
     bounded.encode(texts)
-    bounded_s = time.perf_counter() - started
-    started = time.perf_counter()
+    bounded_s = time.process_time() - started
+    started = time.process_time()
     whole.encode(texts)
-    whole_s = time.perf_counter() - started
+    whole_s = time.process_time() - started
     print(f"64 x 64 KiB: bounded {bounded_s * 1000:.0f} ms, whole {whole_s * 1000:.0f} ms")
     assert bounded_s < whole_s / 3
 
