@@ -60,9 +60,9 @@ from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
 from .control import STATE_ENV, ControlClient, ControlError
-from .routing import STABLE_VERSION, RouteTable
+from .layout import STABLE_VERSION, BuiltManifest, parse_variant_name
+from .routing import RouteTable
 
-VERSIONED_ENSEMBLE = re.compile(r"^(?P<base>.+)_v(?P<version>[0-9]+)$")
 # Router failure reasons that are the caller's fault, not the new version's.
 CLIENT_REASONS = ("invalid_input", "upstream_invalid_input")
 EXIT_BREACH = 3
@@ -143,13 +143,12 @@ class Family:
         from google.protobuf import text_format
         from tritonclient.grpc import model_config_pb2 as mc
 
-        built_file = repository / ".built"
-        if not built_file.exists():
+        if not BuiltManifest.exists(repository):
             raise RolloutError(f"{repository} is not a built repository (no .built): run `make repository`")
-        facts = json.loads(built_file.read_text()).get("compute_models", {}).get(model)
+        facts = BuiltManifest.read(repository).compute_models.get(model)
         if facts is None:
             raise RolloutError(f"{model} is not a compute model of {repository}")
-        members = (model, *facts["latency_variants"])
+        members = (model, *facts.latency_variants)
         ensembles = {}
         for path in sorted(repository.glob("*/config.pbtxt")):
             config = text_format.Parse(path.read_text(), mc.ModelConfig())
@@ -164,9 +163,9 @@ class Family:
         for name, steps in ensembles.items():
             if not reaches(name):
                 continue
-            match = VERSIONED_ENSEMBLE.match(name)
-            if match and match["base"] in ensembles:
-                versioned.setdefault(int(match["version"]), []).append(name)
+            variant = parse_variant_name(name)
+            if variant.version is not None and variant.unversioned in ensembles:
+                versioned.setdefault(variant.version, []).append(name)
                 continue
             for step, version in steps:
                 if step in members and version > 0:
