@@ -95,6 +95,11 @@ class Canary:
     builds: Mapping[int, str] = field(default_factory=dict)  # version > 1 -> how the builder derives it from 1
 
 
+# The route file's ``limits`` section: RouteTable's fields it may set, and their types.
+LIMIT_TYPES = {"max_payload_bytes": int, "max_rows_per_request": int, "max_in_flight_triton": int,
+               "triton_deadline_s": float}
+
+
 @dataclass(frozen=True)
 class RouteTable:
     tasks: Mapping[str, TaskRoute]
@@ -150,11 +155,9 @@ class RouteTable:
             tasks[str(task)] = entry
         gateway = GatewaySettings(**(document.get("gateway") or {}))
         limits = document.get("limits") or {}
+        # the route file's limits override the defaults above (the fields' own)
         return cls(tasks, prices, gateway, canaries,
-                   max_payload_bytes=int(limits.get("max_payload_bytes", 8 << 20)),
-                   max_rows_per_request=int(limits.get("max_rows_per_request", 64)),
-                   max_in_flight_triton=int(limits.get("max_in_flight_triton", 256)),
-                   triton_deadline_s=float(limits.get("triton_deadline_s", 120.0)))
+                   **{name: kind(limits[name]) for name, kind in LIMIT_TYPES.items() if name in limits})
 
     def deadline_s(self, task: str) -> float:
         route = self.tasks[task]
