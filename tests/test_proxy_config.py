@@ -64,3 +64,12 @@ def test_every_template_field_is_filled_and_every_message_is_used():
     assert "%%" not in rendered
     used = {f[len("json_"):] if f.startswith("json_") and f[len("json_"):] in HTTP_MESSAGES else f for f in fields}
     assert set(MESSAGES) - used == {"grpc_overloaded_per_client"}  # chosen as grpc_overloaded
+
+
+def test_the_body_limit_is_the_largest_legal_input():
+    """The front's default body limit is the speech pipeline's audio limit (the largest input a model
+    accepts; audio_features' config holds the same number, tests/test_budgets_logic.py)."""
+    from triton_pipelines.proxy import DEFAULT_MAX_BODY_BYTES
+    from triton_pipelines.speech import MAX_AUDIO_BYTES
+
+    assert DEFAULT_MAX_BODY_BYTES == MAX_AUDIO_BYTES

@@ -51,7 +51,8 @@ from .processes import child_pids, spawn
 # The JSON part of an HTTP request: Triton 2.51 crashes at ~4 MiB of flat JSON and at a nesting
 # depth of ~104,000 (~208 KB). 128 KiB can nest at most 65,536 deep; anything larger goes binary.
 DEFAULT_MAX_JSON_BYTES = 128 * 1024
-# A whole request, binary tensors included (the largest legal input is a 64 MiB audio file).
+# A whole request, binary tensors included: the largest legal input, a 64 MiB audio file
+# (speech.MAX_AUDIO_BYTES; tests/test_proxy_config.py holds them equal).
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
 # Inference requests in flight through both public ports together (every replica behind them):
 # the back-pressure of the whole server. The models have no queue policy (a Triton 2.51 policy
