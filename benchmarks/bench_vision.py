@@ -11,11 +11,11 @@ import os
 import statistics
 import struct
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
 
+from triton_pipelines import prometheus_text
 from triton_pipelines.client import TritonClient
 from triton_pipelines.onnx_runner import OnnxBatchRunner
 from triton_pipelines.vision import ImagePreprocessor, PreprocessConfig, preprocess_image
@@ -122,12 +122,10 @@ def model_totals(client: TritonClient, model: str) -> dict:
 
 
 def preprocess_metrics(server) -> dict[str, float]:
-    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
     values = {}
-    for line in text.splitlines():
-        for name in PREPROCESS_METRICS:
-            if line.startswith(name + "{"):
-                values[name] = float(line.rsplit(" ", 1)[1])
+    for sample in prometheus_text.parse_samples(prometheus_text.scrape(server.metrics_url)):
+        if sample.name in PREPROCESS_METRICS and sample.labels:
+            values[sample.name] = sample.value  # one sample per name (its model's labels)
     return values
 
 

@@ -6,12 +6,18 @@ the fixture builds it. `TEST_MODEL_REPOSITORY=DIR` points the tests at another b
 (e.g. one built with `--pipelines text`). `TEST_SERVER_STATE=DIR` attaches the tests to a launcher that
 is already running (its state folder), e.g. the Python 3.10 rehearsal of the container
 (tests/test_images.py). Server logs go to `.cache/test-server.log`.
+
+Every test that starts or uses a server (tritonserver, the launcher, nginx) is marked `server` at
+collection (`pytest_collection_modifyitems`): `make test-unit` (`pytest -m "not server"`) runs the
+rest in under a minute.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
+import re
 import time
 from pathlib import Path
 
@@ -25,6 +31,61 @@ from .fake_gateway import FakeGateway
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 MODEL_REPOSITORY = Path(os.environ.get("TEST_MODEL_REPOSITORY", PROJECT_ROOT / "model_repository")).resolve()
 LOG_DIR = PROJECT_ROOT / ".cache"
+
+
+# Fixtures that are (or hold) a running server. A module's own fixtures and helpers that start one are
+# found by their source (STARTS_A_SERVER), as are test bodies that start one themselves.
+SERVER_FIXTURES = frozenset({"triton_server", "compute_server", "client", "http_client", "internal_client"})
+STARTS_A_SERVER = re.compile(r"start_on_free_ports\(|Launcher\(|ProxyProcess\(|RunningServer\("
+                             r"|[\"']triton_pipelines\.launcher[\"']")
+
+
+def _starts_a_server(function, starters: frozenset[str]) -> bool:
+    """Whether ``function``'s source starts a server, directly or through one of ``starters`` (the
+    names of its module's functions that do)."""
+    try:
+        source = inspect.getsource(function)
+    except (OSError, TypeError):
+        return False
+    return bool(STARTS_A_SERVER.search(source)) or any(re.search(rf"\b{name}\(", source) for name in starters)
+
+
+def _module_starters(module) -> frozenset[str]:
+    """Names of ``module``'s plain functions that start a server, directly or through one another."""
+    functions = {name: value for name, value in vars(module).items()
+                 if inspect.isfunction(value) and getattr(value, "__module__", None) == module.__name__
+                 and not hasattr(value, "_pytestfixturefunction")}  # fixtures: through the closure
+    starters: set[str] = set()
+    while True:
+        found = {name for name, function in functions.items()
+                 if name not in starters and _starts_a_server(function, frozenset(starters))}
+        if not found:
+            return frozenset(starters)
+        starters |= found
+
+
+def needs_server(item: pytest.Item, starters: frozenset[str]) -> bool:
+    if item.get_closest_marker("server"):
+        return True
+    info = getattr(item, "_fixtureinfo", None)
+    for name in item.fixturenames:
+        if name in SERVER_FIXTURES:
+            return True
+        for definition in (info.name2fixturedefs.get(name, ()) if info else ()):
+            if _starts_a_server(definition.func, starters):
+                return True
+    function = getattr(item, "function", None)
+    return function is not None and _starts_a_server(function, starters)
+
+
+def pytest_collection_modifyitems(config, items):
+    starters: dict[str, frozenset[str]] = {}
+    for item in items:
+        module = getattr(item, "module", None)
+        if module is not None and module.__name__ not in starters:
+            starters[module.__name__] = _module_starters(module)
+        if needs_server(item, starters.get(module.__name__, frozenset()) if module else frozenset()):
+            item.add_marker(pytest.mark.server)
 
 
 def ensure_repository() -> Path:

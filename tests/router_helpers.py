@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import json
-import re
-import urllib.request
 
+from triton_pipelines import prometheus_text
 from triton_pipelines.client import TritonClient, text_tensor
 
 
@@ -21,21 +20,9 @@ def route(client: TritonClient, task: str, payload, latency_class: str | None = 
 
 
 def scrape(metrics_url: str) -> str:
-    with urllib.request.urlopen(metrics_url, timeout=10) as response:
-        return response.read().decode()
-
-
-LINE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)$")
+    return prometheus_text.scrape(metrics_url)
 
 
 def metric(text: str, name: str, **labels: str) -> float:
     """Sum of the samples of ``name`` whose labels include ``labels`` (0 when none)."""
-    total = 0.0
-    for line in text.splitlines():
-        match = LINE.match(line)
-        if not match or match["name"] != name:
-            continue
-        found = dict(re.findall(r'(\w+)="([^"]*)"', match["labels"] or ""))
-        if all(found.get(k) == v for k, v in labels.items()):
-            total += float(match["value"])
-    return total
+    return prometheus_text.total(prometheus_text.parse_samples(text), name, **labels)

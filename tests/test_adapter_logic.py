@@ -187,6 +187,7 @@ def test_text_tokenizer_adapter_tokenizes_and_refuses_bad_utf8(pb):
     assert bad.error().message() == INPUT_ERROR_PREFIX + "input 'text'[0] is not valid UTF-8 (byte 0xe9 at offset 3)"
 
 
+@pytest.mark.slow
 def test_whisper_decode_adapter_gives_the_in_process_tokens_across_decoder_instances(pb):
     """audio_features → whisper_decode, whose BLS calls reach the embedded runner template for
     whisper_encoder and two whisper_decoder instances taking turns: each holds the cross K/V cache

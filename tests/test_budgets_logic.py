@@ -237,6 +237,7 @@ def test_bounded_prefix_tokenization_equals_whole_text_on_any_unicode(text, pref
     assert_same_tokens([text, text * 3], prefix_chars)
 
 
+@pytest.mark.slow
 def test_long_texts_cost_what_their_first_tokens_cost():
     bounded, whole = tokenizers(4096)
     rng = np.random.default_rng(0)

@@ -33,6 +33,7 @@ def built(tiny_checkpoint, tmp_path_factory):
     return output
 
 
+@pytest.mark.slow  # exports a checkpoint (module fixture `built`)
 def test_local_checkpoint_sets_the_encoder_and_the_embedding_width(built, tiny_checkpoint):
     import onnxruntime as ort
     import torch
@@ -53,6 +54,7 @@ def test_local_checkpoint_sets_the_encoder_and_the_embedding_width(built, tiny_c
     assert prototypes["vectors"].shape[1] == 64
 
 
+@pytest.mark.slow
 def test_rebuild_with_nothing_changed_exports_nothing(built, tiny_checkpoint, capsys):
     onnx = built / "text_encoder" / "1" / "model.onnx"
     before = onnx.stat().st_mtime_ns
@@ -61,6 +63,7 @@ def test_rebuild_with_nothing_changed_exports_nothing(built, tiny_checkpoint, ca
     assert "text_encoder: up to date" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_gpu_target_rewrites_only_configs(built, tiny_checkpoint):
     onnx = built / "text_encoder" / "1" / "model.onnx"
     before = onnx.stat().st_mtime_ns
@@ -73,6 +76,7 @@ def test_gpu_target_rewrites_only_configs(built, tiny_checkpoint):
     assert read_config(built / "text_tokenizer" / "config.pbtxt").backend == "python"
 
 
+@pytest.mark.slow
 def test_every_folder_and_file_is_readable_by_another_user(built):
     """The builder runs as root, the servers as uid 1000: no 0700 folder (mkdtemp) or 0600 file."""
     import stat

@@ -90,6 +90,7 @@ def pip_resolves(image: str) -> tuple[str, subprocess.CompletedProcess]:
     return image, (failed[0] if failed else results[0])
 
 
+@pytest.mark.slow
 def test_each_images_requirements_install_on_its_python():
     """The pins of each image must have wheels for the image's Python (e.g. onnxruntime 1.32 has no
     cp310 wheel, transformers 5.24 needs Python 3.11): pip resolves them as the image would."""
@@ -170,6 +171,7 @@ def tree(root: Path) -> dict[str, str]:
     return found
 
 
+@pytest.mark.slow
 def test_the_builder_installed_non_editable_assembles_the_same_repository(wheel, tmp_path):
     """As in the builder image: installed from a wheel (no project next to it), run from another
     working directory, pointed at the project by --project-root."""

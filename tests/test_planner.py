@@ -110,6 +110,7 @@ def gpu_plan(repository: Path, gpu: str, gpus: int = 1) -> tuple[bool, str]:
     return done.returncode == 0, done.stdout
 
 
+@pytest.mark.slow
 def test_verdicts_for_repositories_and_gpu_sizes(repositories):
     verdicts = {(name, gpu): gpu_plan(path, gpu)[0] for name, path in repositories.items()
                 for gpu in ("T4", "A100-40GB", "H200")}
@@ -121,6 +122,7 @@ def test_verdicts_for_repositories_and_gpu_sizes(repositories):
     assert not verdicts[("full", "T4")] and not verdicts[("text", "T4")]
 
 
+@pytest.mark.slow
 def test_a_misfit_gets_a_placement_over_more_gpus_that_fits(repositories):
     fits, report = gpu_plan(repositories["full"], "A100-40GB")
     assert not fits and "fits on" in report, report
@@ -136,6 +138,7 @@ def test_a_misfit_gets_a_placement_over_more_gpus_that_fits(repositories):
         assert all(g.kind == mc.ModelInstanceGroup.KIND_GPU and 0 <= g.gpus[0] < needed for g in config.instance_group)
 
 
+@pytest.mark.slow
 def test_the_host_check_make_serve_runs():
     done = plan_cli("--check")
     assert done.returncode == 0 and "[plan] FITS" in done.stdout, done.stdout + done.stderr

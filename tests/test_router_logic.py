@@ -300,3 +300,16 @@ def test_batch_class_falls_back_to_realtime_only_when_asked_for_batch(router):
         "speech_recognition_batch", "speech_recognition", "realtime")
     assert "speech_recognition_batch is not loaded" in fallback.note
     assert Router.without_batch_variant(fallback) is None
+
+
+def test_route_file_limits_override_the_table_defaults_and_only_those():
+    import dataclasses
+
+    from triton_pipelines.routing import LIMIT_TYPES
+
+    defaults = RouteTable.from_document({})
+    assert {name: getattr(defaults, name) for name in LIMIT_TYPES} == {
+        f.name: f.default for f in dataclasses.fields(RouteTable) if f.name in LIMIT_TYPES}
+    table = RouteTable.from_document({"limits": {"max_rows_per_request": "8", "triton_deadline_s": 5}})
+    assert (table.max_rows_per_request, table.triton_deadline_s, table.max_payload_bytes) == (8, 5.0, 8 << 20)
+    assert isinstance(table.triton_deadline_s, float)

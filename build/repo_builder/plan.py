@@ -42,6 +42,8 @@ from pathlib import Path
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
+from triton_pipelines.layout import PYTHON_SHM_DEFAULT_BYTES, PYTHON_SHM_GROWTH_BYTES, BuiltManifest
+
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -64,9 +66,9 @@ CUDA_CONTEXT_BYTES = 512 * MiB  # per GPU: tritonserver's CUDA context with the 
 GPU_INSTANCE_BYTES = 128 * MiB  # per ONNX Runtime CUDA session: cuBLAS/cuDNN handles, workspaces
 GPU_ARENA_FACTOR = 2.0  # ONNX Runtime's CUDA arena, kNextPowerOfTwo (the onnxruntime backend default)
 TRT_ARENA_FACTOR = 1.0  # TensorRT sizes its execution context's memory exactly
-# The launcher's Python-backend shared memory (launcher.PYTHON_BACKEND_CONFIG).
-SHM_DEFAULT_BYTES = 16 * MiB
-SHM_GROWTH_BYTES = 16 * MiB
+# The Python-backend shared memory the launcher gives tritonserver (triton_pipelines.layout).
+SHM_DEFAULT_BYTES = PYTHON_SHM_DEFAULT_BYTES
+SHM_GROWTH_BYTES = PYTHON_SHM_GROWTH_BYTES
 
 GEMM_OPS = {"MatMul", "Gemm", "Conv", "ConvTranspose", "MatMulInteger", "DynamicQuantizeMatMul",
             "MatMulIntegerToFloat", "QLinearConv", "QLinearMatMul", "ConvInteger", "FusedMatMul", "FusedConv"}
@@ -235,11 +237,11 @@ class Repository:
 
     def __init__(self, path: Path, sequence_overrides: dict[str, dict[str, int]] | None = None):
         self.path = Path(path)
-        built = json.loads((self.path / ".built").read_text())
-        self.target = built.get("target", "embedded")
-        self.compute = built.get("compute_models", {})
+        built = BuiltManifest.read(self.path)
+        self.target = built.target
+        self.compute = built.compute_models
         self.family = {name: base for base, facts in self.compute.items()
-                       for name in [base, *facts.get("latency_variants", [])]}
+                       for name in [base, *facts.latency_variants]}
         self.sequence_overrides = sequence_overrides or {}
         self._graphs: dict[Path, object] = {}
         # Shape inference of a large graph takes seconds: results are kept per file and shape, next
@@ -254,7 +256,8 @@ class Repository:
         """Bounds of the -1 dims: {input: n, "": default}; and whether they were declared."""
         base = self.family.get(model, model)
         bounds = dict(self.sequence_overrides.get(base, {}))
-        declared = int(self.compute.get(base, {}).get("max_sequence_length") or 0)
+        facts = self.compute.get(base)
+        declared = facts.max_sequence_length if facts else 0
         if "" not in bounds and declared:
             bounds[""] = declared
         return bounds, bool(bounds)
@@ -616,7 +619,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shm", action="store_true", help="the /dev/shm the Python-backend stubs may hold at full "
                                                             "batches, per model (compose's TRITON_SHM_SIZE)")
     args = parser.parse_args(argv)
-    if not (args.repository / ".built").exists():
+    if not BuiltManifest.exists(args.repository):
         parser.error(f"{args.repository} is not built: run `make repository`")
     repository = Repository(args.repository, parse_sequence(args.sequence_length))
     if args.shm:

@@ -6,20 +6,22 @@ Layout written to ``output``::
     <model>/1/model.onnx            compute models (exported once, re-exported when their hash changes)
     <model>/1/model.py              Python models (and, on the embedded target, compute runners)
     <model>/1/<assets>              tokenizer.json, prototypes, label files ...
-    .built                          JSON: target, the models, what the rollout and the planner read
-                                    (compute-model facts, the /dev/shm the stubs may hold)
+    .built                          JSON (triton_pipelines.layout.BuiltManifest): target, the models,
+                                    what the launcher, the rollout and the planner read (public models,
+                                    compute-model facts, the /dev/shm the stubs may hold)
 """
 
 from __future__ import annotations
 
 import importlib.util
 import inspect
-import json
 import py_compile
 import shutil
 import time
 from importlib.metadata import version
 from pathlib import Path
+
+from triton_pipelines.layout import BuiltManifest, ComputeModelFacts, variant_name
 
 from .compute import ComputeModel
 from .files import is_fresh, make_readable, mark_fresh, read_config, replace_dir, write_config
@@ -81,12 +83,12 @@ def compile_model_files(output: Path) -> None:
             py_compile.compile(str(source), cfile=str(cached), doraise=True)
 
 
-def compute_model_facts(model: ComputeModel) -> dict:
+def compute_model_facts(model: ComputeModel) -> ComputeModelFacts:
     """What the rollout and the memory planner read from ``.built``: the versions built, the
     latency-class variants serving the same files, the sequence bound of its -1 dimensions."""
-    return {"versions": list(model.versions),
-            "latency_variants": [f"{model.name}_{variant.suffix}" for variant in model.latency_variants],
-            "max_sequence_length": model.max_sequence_length}
+    return ComputeModelFacts(versions=list(model.versions),
+                             latency_variants=[variant_name(model.name, v.suffix) for v in model.latency_variants],
+                             max_sequence_length=model.max_sequence_length)
 
 
 def _export(model: ComputeModel, model_dir: Path) -> None:
@@ -144,7 +146,7 @@ def planned_shm(context: BuildContext, pipelines: list[Pipeline]) -> dict[str, i
             for variant in pipeline.python_latency_variants.get(name, ()):
                 renamed = type(config)()
                 renamed.CopyFrom(config)
-                renamed.name = f"{name}_{variant.suffix}"
+                renamed.name = variant_name(name, variant.suffix)
                 configs[renamed.name] = renamed
     return shm_needs(configs, bounds)
 
@@ -182,19 +184,19 @@ def build_repository(context: BuildContext, pipelines: list[Pipeline]) -> list[s
     rows = [row for pipeline in pipelines for row in pipeline.model_table(context)]
     entry_points = {name for pipeline in pipelines for name in pipeline.entry_points}
     public = sorted(name for name in built if name in entry_points or is_ensemble(context.output / name))
-    stamp = {"target": context.target, "models": built, "public_models": public, "model_table": rows,
-             "compute_models": {model.name: compute_model_facts(model) for model in compute_models}}
-    (context.output / ".built").write_text(json.dumps(stamp, indent=2))
+    stamp = BuiltManifest(target=context.target, models=built, public_models=public, model_table=rows,
+                          compute_models={model.name: compute_model_facts(model) for model in compute_models})
+    stamp.write(context.output)
     # The stubs' /dev/shm, from what was just written (the planner reads configs and the stamp).
     from .plan import Repository, gib, shm_size_text
 
-    stamp["shm_bytes"] = sum(Repository(context.output).shm_needs().values())
-    (context.output / ".built").write_text(json.dumps(stamp, indent=2))
+    stamp.shm_bytes = sum(Repository(context.output).shm_needs().values())
+    stamp.write(context.output)
     # The servers run as another user (uid 1000) than the builder (root in its container): every
     # folder traversable and every file readable, including those of earlier builds kept as fresh.
     make_readable(context.output)
     log(f"{context.target} repository at {context.output}: {len(built)} models "
         f"in {time.monotonic() - started:.1f} s; its Python-backend stubs may hold up to "
-        f"{gib(stamp['shm_bytes'])} GiB of /dev/shm at full batches (compose: TRITON_SHM_SIZE="
-        f"{shm_size_text(stamp['shm_bytes'])}; Kubernetes: the dshm volume's sizeLimit)")
+        f"{gib(stamp.shm_bytes)} GiB of /dev/shm at full batches (compose: TRITON_SHM_SIZE="
+        f"{shm_size_text(stamp.shm_bytes)}; Kubernetes: the dshm volume's sizeLimit)")
     return built

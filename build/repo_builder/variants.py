@@ -33,7 +33,7 @@ from typing import Callable
 
 from tritonclient.grpc import model_config_pb2 as mc
 
-from triton_pipelines.routing import STABLE_VERSION
+from triton_pipelines.layout import STABLE_VERSION, variant_name
 
 from .compute import ComputeModel, LatencyVariant
 from .files import hash_files, is_fresh, mark_fresh, read_config, write_config
@@ -89,7 +89,7 @@ def preferred_sizes(variant: LatencyVariant, max_batch_size: int) -> tuple[int, 
 def variant_model(model: ComputeModel, suffix: str) -> ComputeModel:
     variant = next(v for v in model.latency_variants if v.suffix == suffix)
     return dataclasses.replace(
-        model, name=f"{model.name}_{suffix}",
+        model, name=variant_name(model.name, suffix),
         preferred_batch_sizes=preferred_sizes(variant, model.max_batch_size),
         max_queue_delay_microseconds=variant.max_queue_delay_microseconds,
         preserve_ordering=variant.preserve_ordering, latency_variants=())
@@ -126,7 +126,7 @@ def build_python_latency_variants(name: str, variants: tuple[LatencyVariant, ...
     config = read_config(source / "config.pbtxt")
     names = []
     for variant in variants:
-        variant_dir = context.output / f"{name}_{variant.suffix}"
+        variant_dir = context.output / variant_name(name, variant.suffix)
         if variant_dir.exists():
             shutil.rmtree(variant_dir)
         (variant_dir / "1").mkdir(parents=True)
@@ -177,9 +177,10 @@ class EnsembleVariants:
         return self.compute[models[0]] if models else None
 
     def variant_name(self, name: str, suffix: str | None, version: int | None) -> str:
-        canary = self.canary_model(name)
-        return (name + (f"_{suffix}" if suffix and suffix in self.classes(name) else "")
-                + (f"_v{version}" if version and version != STABLE_VERSION and canary else ""))
+        """``layout.variant_name`` with the class only if the ensemble has it, the version only if it
+        reaches a canary model."""
+        return variant_name(name, suffix if suffix in self.classes(name) else None,
+                            version if self.canary_model(name) else None)
 
     def rewrite(self, name: str, suffix: str | None, version: int | None) -> mc.ModelConfig:
         config = mc.ModelConfig()
@@ -191,7 +192,7 @@ class EnsembleVariants:
                 if model is not None and model.extra_versions:
                     step.model_version = version or STABLE_VERSION
                 if suffix and any(v.suffix == suffix for v in self.variants[step.model_name]):
-                    step.model_name = f"{step.model_name}_{suffix}"
+                    step.model_name = variant_name(step.model_name, suffix)
             elif step.model_name in self.configs:
                 step.model_name = self.variant_name(step.model_name, suffix, version)
         return config

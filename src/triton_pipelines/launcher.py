@@ -47,6 +47,7 @@ from .backends import models_to_load
 from .control import (STATE_ENV, ControlClient, private_dir, resolve_key, restricted_api_flags,
                       write_private)
 from .drain import drain
+from .layout import PYTHON_BACKEND_SHM_CONFIG, BuiltManifest
 from .processes import free_ports, remove_leftovers, shm_capacity, spawn
 from .proxy import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_JSON_BYTES, ProxyConfig, ProxyProcess,
                     default_worker_user)
@@ -57,9 +58,8 @@ __all__ = ["Launcher", "ServerOptions", "start_on_free_ports", "free_ports"]
 DEFAULT_HTTP_PORT = 8000
 DEFAULT_GRPC_PORT = 8001
 DEFAULT_METRICS_PORT = 8002
-# Python-backend shared memory: start at 16 MiB per stub and grow by 16 MiB, so an image batch
-# does not pay for many small region growths.
-PYTHON_BACKEND_CONFIG = ("shm-default-byte-size=16777216", "shm-growth-byte-size=16777216")
+# Python-backend shared memory per stub (layout.PYTHON_SHM_*: the planner sizes /dev/shm with them).
+PYTHON_BACKEND_CONFIG = PYTHON_BACKEND_SHM_CONFIG
 # Latency summaries (nv_inference_{request,queue,compute_infer}_summary_us, quantiles 0.5 to 0.999):
 # 2.51 has no latency histograms for non-decoupled models, and p99 queue time needs one or the other.
 METRICS_CONFIG = ("summary_latencies=true",)
@@ -331,7 +331,7 @@ def public_models_file(options: ServerOptions, state_dir: Path) -> Path | None:
     if options.expose_internal_models:
         return None
     try:
-        names = json.loads((options.model_repository / ".built").read_text()).get("public_models")
+        names = BuiltManifest.read(options.model_repository).public_models
     except (OSError, ValueError):
         return None
     if names is None:
@@ -687,7 +687,7 @@ def shm_shortfall(model_repository: Path, replicas: int = 1, shm: str = "/dev/sh
     at full batches (the builder records it in ``.built``): past that, a request fails with the
     stub unable to grow its region instead of being served."""
     try:
-        needed = int(json.loads((model_repository / ".built").read_text()).get("shm_bytes", 0)) * replicas
+        needed = (BuiltManifest.read(model_repository).shm_bytes or 0) * replicas
         size = shm_capacity(shm)
     except (OSError, ValueError):
         return None

@@ -164,13 +164,6 @@ def find_stubs(server_pid: int | None = None) -> list[Stub]:
     return stubs
 
 
-def shm_bytes(region: str) -> int:
-    try:
-        return (SHM_DIR / region).stat().st_size
-    except OSError:
-        return 0
-
-
 def remove_leftovers(server_pid: int, shm_prefix: str) -> tuple[int, int]:
     """After ``server_pid`` died: kill its orphaned stubs (they outlive a crashed server) and unlink
     its shared-memory regions. Returns (stubs killed, bytes of /dev/shm freed)."""

@@ -25,8 +25,11 @@ and enforces, before anything is copied into Triton:
 - Metrics (``/metrics`` on the metrics port) and readiness come from the launcher's status server,
   which adds its own counters and sees dead Python stubs (``supervisor.py``).
 
-The configuration is generated (``render_config``) and unit-tested; nginx runs in the foreground
-as a child of the launcher, which restarts it if it dies.
+The configuration is the template ``templates/nginx.conf`` (``%%name`` fields, see ``NginxTemplate``)
+rendered by ``render_config`` from a ``ProxyConfig``, with every answer's text in ``MESSAGES``;
+``tests/test_proxy_config.py`` pins the rendered text and ``ProxyProcess.validate`` runs ``nginx -t``
+on it before nginx starts or reloads. nginx runs in the foreground as a child of the launcher, which
+restarts it if it dies.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import os
 import re
 import shutil
 import signal
+import string
 import subprocess
 import tempfile
 import time
@@ -47,7 +51,8 @@ from .processes import child_pids, spawn
 # The JSON part of an HTTP request: Triton 2.51 crashes at ~4 MiB of flat JSON and at a nesting
 # depth of ~104,000 (~208 KB). 128 KiB can nest at most 65,536 deep; anything larger goes binary.
 DEFAULT_MAX_JSON_BYTES = 128 * 1024
-# A whole request, binary tensors included (the largest legal input is a 64 MiB audio file).
+# A whole request, binary tensors included: the largest legal input, a 64 MiB audio file
+# (speech.MAX_AUDIO_BYTES; tests/test_proxy_config.py holds them equal).
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
 # Inference requests in flight through both public ports together (every replica behind them):
 # the back-pressure of the whole server. The models have no queue policy (a Triton 2.51 policy
@@ -131,305 +136,121 @@ def default_worker_user() -> str | None:
     return "nobody nogroup" if os.geteuid() == 0 else None
 
 
+# What the front answers, one entry per refusal: str.format fields from ``_message_values``. HTTP
+# answers carry them as {"error": ...} (Triton's own shape), gRPC ones as grpc-message.
+BINARY_HINT = ("send tensor data in binary form (tritonclient: binary_data=True, the default for "
+               "set_data_from_numpy; raw HTTP: the Inference-Header-Content-Length extension) or use gRPC")
+MESSAGES = {
+    "too_large": "request body exceeds the server's limit of {max_body_bytes} bytes ({body_mb})",
+    "json_too_large": "the JSON part of a request is limited to {max_json_bytes} bytes ({json_kb}): {binary_hint}",
+    "bad_header_length": "Inference-Header-Content-Length must be a decimal number of bytes, at most "
+                         "{max_json_bytes} ({json_kb}): {binary_hint}",
+    "encoding": "compressed request bodies (Content-Encoding) are not accepted: send the body uncompressed",
+    "grpc_encoding": "compressed gRPC messages (grpc-encoding) are not accepted: send them uncompressed",
+    "header_too_large": "a request header is longer than {header_buffer_kb} KiB",
+    "control": "this API is not available on the public port: the model-repository, shared-memory, "
+               "logging and trace APIs are restricted to the server's own host",
+    "not_found": "not found",
+    "method": "method not allowed",
+    "unavailable": "the inference server is starting or restarting: retry shortly",
+    "overloaded": "the server is at its limit of {max_inflight} inference requests in flight: retry shortly",
+    # gRPC has one overload answer for both counts (HTTP tells them apart, below)
+    "grpc_overloaded": "the server is at its limit of {max_inflight} inference requests in flight: retry shortly",
+    "grpc_overloaded_per_client": "the server is at its limit of {max_inflight} inference requests in flight, "
+                                  "or this client (its address) at its share of {max_inflight_per_client}: "
+                                  "retry shortly",
+    "client_overloaded": "this client (its address) is at its limit of {max_inflight_per_client} "
+                         "inference requests in flight: retry shortly",
+    "grpc_unknown_method": "unknown gRPC method",
+}
+# The HTTP answers the template holds as nginx string literals (%%json_<key>).
+HTTP_MESSAGES = ("too_large", "json_too_large", "bad_header_length", "encoding", "header_too_large", "control",
+                 "not_found", "method", "unavailable", "overloaded", "client_overloaded")
+
+
+class NginxTemplate(string.Template):
+    """``string.Template`` with ``%%`` as its delimiter (``%%name``, ``%%{name}``): nginx's own
+    variables are written ``$name``, and ``%%`` appears nowhere in an nginx configuration."""
+
+    delimiter = "%%"
+
+
+# The configuration text: templates/nginx.conf, shipped with the package (pyproject package-data).
+TEMPLATE = Path(__file__).parent / "templates" / "nginx.conf"
+
+
 def _json_error(message: str) -> str:
     """An nginx string literal holding ``{"error": message}`` (Triton's own error shape)."""
     return "'" + json.dumps({"error": message}).replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
-def _grpc_error_location(name: str, code: int, message: str) -> str:
-    # A trailers-only gRPC answer: HTTP 200, grpc-status and grpc-message, no body.
-    return (f"        location = /{name} {{\n            internal;\n            default_type application/grpc;\n"
-            f"            add_header grpc-status {code} always;\n"
-            f"            add_header grpc-message \"{message}\" always;\n            return 200 \"\";\n        }}\n")
+def _message_values(config: ProxyConfig) -> dict[str, object]:
+    return {"max_body_bytes": config.max_body_bytes, "body_mb": f"{config.max_body_bytes / 2**20:g} MiB",
+            "max_json_bytes": config.max_json_bytes, "json_kb": f"{config.max_json_bytes // 1024} KiB",
+            "binary_hint": BINARY_HINT, "header_buffer_kb": HEADER_BUFFER_KB, "max_inflight": config.max_inflight,
+            "max_inflight_per_client": config.max_inflight_per_client}
+
+
+def messages(config: ProxyConfig) -> dict[str, str]:
+    """``MESSAGES`` for ``config``'s limits; ``grpc_overloaded`` names the client's share when there is one."""
+    values = _message_values(config)
+    texts = {key: text.format(**values) for key, text in MESSAGES.items()}
+    if config.max_inflight_per_client:
+        texts["grpc_overloaded"] = texts["grpc_overloaded_per_client"]
+    return texts
+
+
+def _servers(ports: tuple[int, ...]) -> str:
+    # A replica that refuses a connection (restarting, retired) is skipped for the next one:
+    # nginx retries only what it has not sent (POST is not idempotent).
+    return "\n".join(f"        server 127.0.0.1:{port} max_fails=0;" for port in ports)
 
 
 def render_config(config: ProxyConfig, temp_dir: Path | None = None) -> str:
-    """nginx.conf for the public ports (see the module docstring); the workers' temp folders (large
-    request bodies) under ``temp_dir``, by default the state folder."""
-    state = config.state_dir.resolve()
-    temp = (temp_dir or config.state_dir).resolve()
+    """nginx.conf for the public ports (see the module docstring) from templates/nginx.conf; the
+    workers' temp folders (large request bodies) under ``temp_dir``, by default the state folder."""
     address = config.listen_address
     if ":" in address and not address.startswith("["):
         address = f"[{address}]"
-    body_mb = f"{config.max_body_bytes / 2**20:g} MiB"
-    json_kb = f"{config.max_json_bytes // 1024} KiB"
-    binary_hint = ("send tensor data in binary form (tritonclient: binary_data=True, the default for "
-                   "set_data_from_numpy; raw HTTP: the Inference-Header-Content-Length extension) or use gRPC")
-    messages = {
-        "too_large": f"request body exceeds the server's limit of {config.max_body_bytes} bytes ({body_mb})",
-        "json_too_large": f"the JSON part of a request is limited to {config.max_json_bytes} bytes "
-                          f"({json_kb}): {binary_hint}",
-        "bad_header_length": "Inference-Header-Content-Length must be a decimal number of bytes, at most "
-                             f"{config.max_json_bytes} ({json_kb}): {binary_hint}",
-        "encoding": "compressed request bodies (Content-Encoding) are not accepted: send the body uncompressed",
-        "grpc_encoding": "compressed gRPC messages (grpc-encoding) are not accepted: send them uncompressed",
-        "header_too_large": f"a request header is longer than {HEADER_BUFFER_KB} KiB",
-        "control": "this API is not available on the public port: the model-repository, shared-memory, "
-                   "logging and trace APIs are restricted to the server's own host",
-        "not_found": "not found",
-        "method": "method not allowed",
-        "unavailable": "the inference server is starting or restarting: retry shortly",
-        "overloaded": f"the server is at its limit of {config.max_inflight} inference requests in flight: "
-                      "retry shortly",
-        "grpc_overloaded": f"the server is at its limit of {config.max_inflight} inference requests in flight"
-                           + (f", or this client (its address) at its share of {config.max_inflight_per_client}"
-                              if config.max_inflight_per_client else "") + ": retry shortly",
-        "client_overloaded": f"this client (its address) is at its limit of {config.max_inflight_per_client} "
-                             "inference requests in flight: retry shortly",
-    }
+    texts = messages(config)
     per_client = config.max_inflight_per_client
-    # One client's in-flight count, by its address: counted from its headers (a client that sends
-    # its body slowly holds only its own places), before the server's count in the gate.
-    client_limit = f"limit_conn perclient {per_client};" if per_client else ""
-    user_line = f"user {config.run_as};\n" if config.run_as else ""
-
-    def servers(ports: tuple[int, ...]) -> str:
-        # A replica that refuses a connection (restarting, retired) is skipped for the next one:
-        # nginx retries only what it has not sent (POST is not idempotent).
-        return "\n".join(f"        server 127.0.0.1:{port} max_fails=0;" for port in ports)
-    lines = f"""# Generated by triton_pipelines.proxy: edit the generator, not this file.
-{user_line}worker_processes {config.workers};
-daemon off;
-master_process on;
-pid {state}/nginx.pid;
-error_log stderr error;
-
-events {{
-    worker_connections 4096;
-}}
-
-http {{
-    access_log off;
-    server_tokens off;
-    client_body_temp_path {temp}/client_body;
-    proxy_temp_path {temp}/proxy;
-    fastcgi_temp_path {temp}/fastcgi;
-    uwsgi_temp_path {temp}/uwsgi;
-    scgi_temp_path {temp}/scgi;
-
-    # Slow or idle clients are cut off instead of holding connections.
-    client_header_timeout 15s;
-    client_body_timeout 30s;
-    send_timeout 60s;
-    keepalive_timeout 75s;
-    # Longer request lines and headers are refused here (Triton's HTTP server fails on them).
-    large_client_header_buffers 4 {HEADER_BUFFER_KB}k;
-    client_body_buffer_size 1m;
-    default_type application/json;
-
-    # 'json': the whole body is JSON; 'binary': the JSON header is within the limit; else refused.
-    map $http_inference_header_content_length $infer_body {{
-        "" json;
-        "~^0+$" json;
-        "~{regex_at_most(config.max_json_bytes)}" binary;
-        default bad;
-    }}
-    # Back-pressure: one count of inference requests in flight for both public ports (an HTTP/2
-    # stream counts as a connection, an idle keep-alive connection does not): in the HTTP gate and
-    # at gRPC ModelInfer. Over the limit: 429 inside, answered as 503 / UNAVAILABLE (error pages).
-    map $host $inflight_key {{
-        default all;
-    }}
-    limit_conn_zone $inflight_key zone=inflight:1m;
-    limit_conn_zone $binary_remote_addr zone=perclient:10m;
-    limit_conn_status 429;
-    limit_conn_log_level warn;  # below error_log's level: an overload does not flood the log
-    map $http_content_encoding $encoding_ok {{
-        "" 1;
-        identity 1;
-        default 0;
-    }}
-    map $http_grpc_encoding $grpc_encoding_ok {{
-        "" 1;
-        identity 1;
-        default 0;
-    }}
-
-    upstream triton_http {{
-{servers(config.triton_http_ports)}
-        keepalive 64;
-    }}
-    upstream inflight_gate {{
-        server 127.0.0.1:{config.gate_port};
-        keepalive 64;
-    }}
-    upstream triton_grpc {{
-{servers(config.triton_grpc_ports)}
-        keepalive 64;
-    }}
-    upstream screen_http {{
-{servers(config.screen_http_ports)}
-        keepalive 64;
-    }}
-    upstream screen_grpc {{
-{servers(config.screen_grpc_ports)}
-        keepalive 64;
-    }}
-    upstream launcher_status {{
-        server 127.0.0.1:{config.status_port};
-        keepalive 4;
-    }}
-
-    proxy_http_version 1.1;
-    proxy_set_header Connection "";
-    # The control key never travels from a public client to Triton.
-    proxy_set_header triton-control-key "";
-    proxy_read_timeout {config.upstream_timeout_s}s;
-    proxy_send_timeout {config.upstream_timeout_s}s;
-    proxy_buffers 16 64k;
-
-    # ---------------------------------------------------------------- HTTP ({config.http_port})
-    server {{
-        listen {address}:{config.http_port} backlog=4096;
-        client_max_body_size {config.max_body_bytes};
-        error_page 413 = @too_large;
-        error_page 502 503 504 = @unavailable;
-        error_page 494 = @header_too_large;
-        error_page 429 = @client_overloaded;  # only this client's share is counted here
-
-        if ($encoding_ok = 0) {{
-            return 415 {_json_error(messages["encoding"])};
-        }}
-
-        # Inference goes through the gate (below) with its whole body read (proxy_request_buffering).
-        location ~ "^{_MODEL}/infer$" {{
-            if ($infer_body = bad) {{
-                return 413 {_json_error(messages["bad_header_length"])};
-            }}
-            if ($infer_body = json) {{
-                rewrite ^ /__json$uri last;
-            }}
-            {client_limit}
-            proxy_pass http://inflight_gate;
-        }}
-        location ^~ /__json/ {{
-            internal;
-            client_max_body_size {config.max_json_bytes};
-            # (error_page here replaces the server's: every one this location can meet again)
-            error_page 413 = @json_too_large;
-            error_page 429 = @client_overloaded;
-            error_page 502 503 504 = @unavailable;
-            rewrite ^/__json(/.*)$ $1 break;
-            {client_limit}
-            proxy_pass http://inflight_gate;
-        }}
-        location ~ ^/v2/health/(ready|live)$ {{
-            client_max_body_size 1k;
-            proxy_pass http://launcher_status;
-        }}
-        location ~ {CONTROL_HTTP_PATTERN} {{
-            return 403 {_json_error(messages["control"])};
-        }}
-        location ~ "^(/v2|/v2/models/stats|{_MODEL}(/ready|/config|/stats)?)$" {{
-            client_max_body_size 1k;
-            if ($request_method !~ ^(GET|HEAD)$) {{
-                return 405 {_json_error(messages["method"])};
-            }}
-            # Triton needs none of the client's headers here (nor their size).
-            proxy_pass_request_headers off;
-            proxy_pass http://triton_http;
-        }}
-        location / {{
-            return 404 {_json_error(messages["not_found"])};
-        }}
-        location @too_large {{
-            return 413 {_json_error(messages["too_large"])};
-        }}
-        location @json_too_large {{
-            return 413 {_json_error(messages["json_too_large"])};
-        }}
-        location @header_too_large {{
-            return 431 {_json_error(messages["header_too_large"])};
-        }}
-        location @client_overloaded {{
-            add_header Retry-After 1 always;
-            return 503 {_json_error(messages["client_overloaded"])};
-        }}
-        location @unavailable {{
-            return 503 {_json_error(messages["unavailable"])};
-        }}
-    }}
-
-    # ---------------------------------------------------------------- HTTP in-flight gate (loopback)
-    server {{
-        listen 127.0.0.1:{config.gate_port} backlog=4096;
-        client_max_body_size {config.max_body_bytes};
-        proxy_request_buffering off;  # the public server has the whole body already
-        limit_conn inflight {config.max_inflight};
-        error_page 429 = @overloaded;
-        error_page 502 503 504 = @unavailable;
-        location / {{
-            proxy_pass http://screen_http;
-        }}
-        location @overloaded {{
-            add_header Retry-After 1 always;
-            return 503 {_json_error(messages["overloaded"])};
-        }}
-
-        location @unavailable {{
-            return 503 {_json_error(messages["unavailable"])};
-        }}
-    }}
-
-    # ---------------------------------------------------------------- gRPC ({config.grpc_port})
-    server {{
-        listen {address}:{config.grpc_port} http2 backlog=4096;
-        client_max_body_size {config.max_body_bytes};
-        # Streams of one connection (nginx's default): beyond them a client queues its own calls,
-        # within them it is refused at once past its share.
-        http2_max_concurrent_streams 128;
-        grpc_read_timeout {config.upstream_timeout_s}s;
-        grpc_send_timeout {config.upstream_timeout_s}s;
-        grpc_set_header triton-control-key "";
-        error_page 413 = /__grpc_too_large;
-        error_page 502 503 504 = /__grpc_unavailable;
-        error_page 429 = /__grpc_overloaded;
-        error_page 415 = /__grpc_compressed;
-
-        location = /{GRPC_SERVICE}/ModelInfer {{
-            if ($grpc_encoding_ok = 0) {{
-                return 415;
-            }}
-            limit_conn inflight {config.max_inflight};
-            {client_limit}
-            grpc_pass grpc://screen_grpc;
-        }}
-        location ~ ^/{GRPC_SERVICE.replace(".", chr(92) + ".")}/({"|".join(PUBLIC_GRPC_METHODS)})$ {{
-            grpc_pass grpc://triton_grpc;
-        }}
-        location ~ ^/{GRPC_SERVICE.replace(".", chr(92) + ".")}/ {{
-            return 403;
-        }}
-        location / {{
-            return 404;
-        }}
-        error_page 403 = /__grpc_denied;
-        error_page 404 = /__grpc_unimplemented;
-{_grpc_error_location("__grpc_too_large", GRPC_RESOURCE_EXHAUSTED, messages["too_large"])}\
-{_grpc_error_location("__grpc_denied", GRPC_PERMISSION_DENIED, messages["control"])}\
-{_grpc_error_location("__grpc_unimplemented", GRPC_UNIMPLEMENTED, "unknown gRPC method")}\
-{_grpc_error_location("__grpc_unavailable", GRPC_UNAVAILABLE, messages["unavailable"])}\
-{_grpc_error_location("__grpc_overloaded", GRPC_UNAVAILABLE, messages["grpc_overloaded"])}\
-{_grpc_error_location("__grpc_compressed", GRPC_UNIMPLEMENTED, messages["grpc_encoding"])}\
-    }}
-
-    # ---------------------------------------------------------------- metrics ({config.metrics_port})
-    server {{
-        listen {address}:{config.metrics_port};
-        client_max_body_size 1k;
-        location = /metrics {{
-            if ($request_method !~ ^(GET|HEAD)$) {{
-                return 405 {_json_error(messages["method"])};
-            }}
-            proxy_pass http://launcher_status;
-        }}
-        location / {{
-            return 404 {_json_error(messages["not_found"])};
-        }}
-    }}
-}}
-"""
-    return lines
+    values = {
+        **texts,
+        **{f"json_{key}": _json_error(texts[key]) for key in HTTP_MESSAGES},
+        "user_line": f"user {config.run_as};\n" if config.run_as else "",
+        "workers": config.workers,
+        "state": config.state_dir.resolve(),
+        "temp": (temp_dir or config.state_dir).resolve(),
+        "header_buffer_kb": HEADER_BUFFER_KB,
+        "json_header_length_pattern": regex_at_most(config.max_json_bytes),
+        "triton_http_servers": _servers(config.triton_http_ports),
+        "triton_grpc_servers": _servers(config.triton_grpc_ports),
+        "screen_http_servers": _servers(config.screen_http_ports),
+        "screen_grpc_servers": _servers(config.screen_grpc_ports),
+        "gate_port": config.gate_port,
+        "status_port": config.status_port,
+        "upstream_timeout_s": config.upstream_timeout_s,
+        "address": address,
+        "http_port": config.http_port,
+        "grpc_port": config.grpc_port,
+        "metrics_port": config.metrics_port,
+        "max_body_bytes": config.max_body_bytes,
+        "max_json_bytes": config.max_json_bytes,
+        "max_inflight": config.max_inflight,
+        # One client's in-flight count, by its address: counted from its headers (a client that sends
+        # its body slowly holds only its own places), before the server's count in the gate.
+        "client_limit": f"limit_conn perclient {per_client};" if per_client else "",
+        "model_path": _MODEL,
+        "control_http_pattern": CONTROL_HTTP_PATTERN,
+        "grpc_service": GRPC_SERVICE,
+        "grpc_service_pattern": GRPC_SERVICE.replace(".", "\\."),
+        "public_grpc_methods": "|".join(PUBLIC_GRPC_METHODS),
+        "grpc_permission_denied": GRPC_PERMISSION_DENIED,
+        "grpc_resource_exhausted": GRPC_RESOURCE_EXHAUSTED,
+        "grpc_unimplemented": GRPC_UNIMPLEMENTED,
+        "grpc_unavailable": GRPC_UNAVAILABLE,
+    }
+    return NginxTemplate(TEMPLATE.read_text()).substitute(values)
 
 
 TEMP_FOLDERS = ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
@@ -466,12 +287,16 @@ class ProxyProcess:
         self.config_path = state / "nginx.conf"
         self.config_path.write_text(render_config(config, self.temp_dir))
         self.binary = nginx_binary()
-        check = subprocess.run([self.binary, *self._error_log(), "-t", "-q", "-p", str(state),
-                                "-c", str(self.config_path)], capture_output=True, text=True)
-        if check.returncode != 0:
-            raise RuntimeError(f"the generated nginx configuration is invalid: {check.stderr.strip()}")
+        self.validate(self.config_path, state)
         self.stdout, self.stderr = stdout, stderr
         self.process = self._start()
+
+    def validate(self, path: Path, prefix: Path) -> None:
+        """``nginx -t`` on the configuration at ``path`` (``prefix``: the state folder); raises if invalid."""
+        check = subprocess.run([self.binary, *self._error_log(), "-t", "-q", "-p", str(prefix), "-c", str(path)],
+                               capture_output=True, text=True)
+        if check.returncode != 0:
+            raise RuntimeError(f"the generated nginx configuration is invalid: {check.stderr.strip()}")
 
     def _error_log(self) -> list[str]:
         """``-e stderr`` (nginx >= 1.19.5): a non-root nginx would first try /var/log/nginx/error.log."""
@@ -497,10 +322,7 @@ class ProxyProcess:
         old_workers = set(child_pids(self.process.pid))
         candidate = self.config_path.with_suffix(".next")
         candidate.write_text(text)
-        check = subprocess.run([self.binary, *self._error_log(), "-t", "-q", "-p", str(config.state_dir),
-                                "-c", str(candidate)], capture_output=True, text=True)
-        if check.returncode != 0:
-            raise RuntimeError(f"the generated nginx configuration is invalid: {check.stderr.strip()}")
+        self.validate(candidate, config.state_dir)
         os.replace(candidate, self.config_path)
         self.config = config
         self.process.send_signal(signal.SIGHUP)

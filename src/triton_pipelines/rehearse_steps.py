@@ -12,6 +12,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from .layout import BuiltManifest
 from .rehearse import (CLEANUP_STEP, NO_GPU_OVERRIDE, TARGET_IMAGES, TRITON_MODULES, copy_tree, free_port,
                        run, server_imports)
 
@@ -74,8 +75,8 @@ class Steps:
         self.r.tree = tree
         seed = self.r.root / "model_repository"
         seeded = ""
-        if os.environ.get("REHEARSE_SEED", "1") != "0" and (seed / ".built").exists():
-            if json.loads((seed / ".built").read_text()).get("target") == "embedded":
+        if os.environ.get("REHEARSE_SEED", "1") != "0" and BuiltManifest.exists(seed):
+            if BuiltManifest.read(seed).target == "embedded":
                 # A cache: the builder service re-checks every model's content hash and rebuilds
                 # what differs (`make test` leaves this repository on CI).
                 shutil.copytree(seed, tree / "model_repository", symlinks=True, dirs_exist_ok=True)
@@ -218,10 +219,10 @@ class Steps:
         self.r.compose(gpu_tree, self.project + "gpu", "--profile", "gpu", "run", "--rm", "--no-deps",
                        "repository-builder", env=env, timeout=3600,
                        files=("docker-compose.yml", NO_GPU_OVERRIDE))
-        built = json.loads((gpu_tree / "model_repository" / ".built").read_text())
-        if built["target"] != "gpu":
-            raise RuntimeError(f"the builder service built {built['target']}")
-        return (f"gpu target ({len(built['models'])} models, Whisper {REHEARSAL_WHISPER_SIZE}, not large-v3: "
+        built = BuiltManifest.read(gpu_tree / "model_repository")
+        if built.target != "gpu":
+            raise RuntimeError(f"the builder service built {built.target}")
+        return (f"gpu target ({len(built.models)} models, Whisper {REHEARSAL_WHISPER_SIZE}, not large-v3: "
                 f"~19.3 GiB to export) in {time.monotonic() - started:.0f} s")
 
     def gpu_serving(self) -> str:

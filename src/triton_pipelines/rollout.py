@@ -49,30 +49,26 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
 from .control import STATE_ENV, ControlClient, ControlError
-from .routing import STABLE_VERSION, RouteTable
+from . import prometheus_text
+from .layout import STABLE_VERSION, BuiltManifest, parse_variant_name
+from .router_service import INPUT_REASONS
+from .routing import RouteTable
 
-VERSIONED_ENSEMBLE = re.compile(r"^(?P<base>.+)_v(?P<version>[0-9]+)$")
-# Router failure reasons that are the caller's fault, not the new version's.
-CLIENT_REASONS = ("invalid_input", "upstream_invalid_input")
+# Router failure reasons that are the caller's fault, not the new version's (answered as bad input).
+CLIENT_REASONS = INPUT_REASONS
 EXIT_BREACH = 3
 
 
 # ----------------------------------------------------------------------------------- metrics
-METRIC_LINE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)")
-LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
-
-
 @dataclass(frozen=True)
 class Metrics:
     """One scrape of a Prometheus text endpoint: (name, labels, value) samples."""
@@ -80,35 +76,16 @@ class Metrics:
 
     @classmethod
     def parse(cls, text: str) -> "Metrics":
-        samples = []
-        for line in text.splitlines():
-            match = METRIC_LINE.match(line)
-            if match:
-                try:
-                    value = float(match["value"])
-                except ValueError:
-                    continue
-                samples.append((match["name"], dict(LABEL.findall(match["labels"] or "")), value))
-        return cls(tuple(samples))
+        return cls(tuple(prometheus_text.parse_samples(text)))
 
     @classmethod
     def scrape(cls, url: str, timeout_s: float = 10.0) -> "Metrics":
-        with urllib.request.urlopen(url, timeout=timeout_s) as response:
-            return cls.parse(response.read().decode())
+        return cls.parse(prometheus_text.scrape(url, timeout_s))
 
     def total(self, name: str, **labels: str | Iterable[str]) -> float:
         """Sum of ``name`` over samples whose labels match (a label given as a collection matches
         any of its values)."""
-        def matches(found: dict) -> bool:
-            for key, wanted in labels.items():
-                value = found.get(key)
-                if isinstance(wanted, str):
-                    if value != wanted:
-                        return False
-                elif value not in wanted:
-                    return False
-            return True
-        return sum(value for sample_name, found, value in self.samples if sample_name == name and matches(found))
+        return prometheus_text.total(self.samples, name, **labels)
 
     def largest(self, name: str, **labels) -> float | None:
         values = [value for sample_name, found, value in self.samples
@@ -143,13 +120,12 @@ class Family:
         from google.protobuf import text_format
         from tritonclient.grpc import model_config_pb2 as mc
 
-        built_file = repository / ".built"
-        if not built_file.exists():
+        if not BuiltManifest.exists(repository):
             raise RolloutError(f"{repository} is not a built repository (no .built): run `make repository`")
-        facts = json.loads(built_file.read_text()).get("compute_models", {}).get(model)
+        facts = BuiltManifest.read(repository).compute_models.get(model)
         if facts is None:
             raise RolloutError(f"{model} is not a compute model of {repository}")
-        members = (model, *facts["latency_variants"])
+        members = (model, *facts.latency_variants)
         ensembles = {}
         for path in sorted(repository.glob("*/config.pbtxt")):
             config = text_format.Parse(path.read_text(), mc.ModelConfig())
@@ -164,9 +140,9 @@ class Family:
         for name, steps in ensembles.items():
             if not reaches(name):
                 continue
-            match = VERSIONED_ENSEMBLE.match(name)
-            if match and match["base"] in ensembles:
-                versioned.setdefault(int(match["version"]), []).append(name)
+            variant = parse_variant_name(name)
+            if variant.version is not None and variant.unversioned in ensembles:
+                versioned.setdefault(variant.version, []).append(name)
                 continue
             for step, version in steps:
                 if step in members and version > 0:

@@ -25,11 +25,11 @@ from typing import Any, Mapping
 import numpy as np
 
 from .errors import InputError, as_bytes, decode_utf8
+# The variant names the builder writes; STABLE_VERSION: the version every plain ensemble pins and
+# the router serves by default (canary versions are 2, 3, ...).
+from .layout import LATENCY_CLASSES, STABLE_VERSION, variant_name
 
-LATENCY_CLASSES = ("realtime", "batch")
 TIERS = ("cheapest", "balanced", "best")
-# The version every plain ensemble pins and the router serves by default; canary versions are 2, 3, ...
-STABLE_VERSION = 1
 MESSAGE_ROLES = ("system", "user", "assistant", "developer", "tool")
 # What a vision_llm image may claim to be (it becomes a data: URL sent upstream).
 IMAGE_MIME_TYPES = ("image/png", "image/jpeg", "image/webp", "image/gif")
@@ -95,6 +95,11 @@ class Canary:
     builds: Mapping[int, str] = field(default_factory=dict)  # version > 1 -> how the builder derives it from 1
 
 
+# The route file's ``limits`` section: RouteTable's fields it may set, and their types.
+LIMIT_TYPES = {"max_payload_bytes": int, "max_rows_per_request": int, "max_in_flight_triton": int,
+               "triton_deadline_s": float}
+
+
 @dataclass(frozen=True)
 class RouteTable:
     tasks: Mapping[str, TaskRoute]
@@ -150,11 +155,9 @@ class RouteTable:
             tasks[str(task)] = entry
         gateway = GatewaySettings(**(document.get("gateway") or {}))
         limits = document.get("limits") or {}
+        # the route file's limits override the defaults above (the fields' own)
         return cls(tasks, prices, gateway, canaries,
-                   max_payload_bytes=int(limits.get("max_payload_bytes", 8 << 20)),
-                   max_rows_per_request=int(limits.get("max_rows_per_request", 64)),
-                   max_in_flight_triton=int(limits.get("max_in_flight_triton", 256)),
-                   triton_deadline_s=float(limits.get("triton_deadline_s", 120.0)))
+                   **{name: kind(limits[name]) for name, kind in LIMIT_TYPES.items() if name in limits})
 
     def deadline_s(self, task: str) -> float:
         route = self.tasks[task]
@@ -426,14 +429,12 @@ class Router:
                 raise InputError(f"payload field '{name}' must be a string, not {type(value).__name__}")
             data = value.encode() if encoding == "text" else _decode_base64(value, name)
             inputs[name] = np.array([[data]], dtype=np.object_)
-        version, suffix = None, ""
+        version = None
         if route.canary:
             version = choose_version(self.split_file.split(route.canary), split_point(route.task, key))
-            suffix = f"_v{version}" if version != STABLE_VERSION else ""
-        target = route.model + ("_batch" if latency_class == "batch" else "") + suffix
-        return RoutedRequest(route.task, "triton", latency_class, target, route.model,
-                             model_version=version, canary=route.canary, inputs=inputs, outputs=route.outputs,
-                             realtime_target=route.model + suffix)
+        return RoutedRequest(route.task, "triton", latency_class, variant_name(route.model, latency_class, version),
+                             route.model, model_version=version, canary=route.canary, inputs=inputs,
+                             outputs=route.outputs, realtime_target=variant_name(route.model, version=version))
 
     @staticmethod
     def without_batch_variant(routed: RoutedRequest) -> RoutedRequest | None:

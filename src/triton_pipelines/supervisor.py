@@ -187,10 +187,6 @@ class StubWatchdog:
             self.log(f"watchdog: '{model}' reloaded in {time.monotonic() - started:.1f} s")
         return repaired
 
-    def check(self) -> list[str]:
-        self.detect()
-        return self.repair()
-
     def missing_now(self) -> dict[str, list[str]]:
         """Models with a stub that was running at the last pass and is gone now (one /proc scan, no
         control call, nothing changed): readiness says so at once, before ``detect`` confirms it."""

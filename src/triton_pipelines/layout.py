@@ -1,0 +1,138 @@
+"""The contract between the repository builder (``build/repo_builder``) and the runtime: what the
+builder writes and the launcher, router, rollout and planner read back.
+
+- Variant names: ``<base>[_<latency class>][_v<version>]`` (``variant_name``, ``parse_variant_name``).
+  The realtime class and the stable version add nothing: ``text_embedding`` is realtime, version 1;
+  ``text_embedding_batch_v2`` the batch class of version 2.
+- The build stamp ``<repository>/.built`` (``BuiltManifest``): the target, the models built, the
+  public ones, the compute models' facts, the /dev/shm the Python-backend stubs may hold.
+- The Python backend's shared-memory sizes (``PYTHON_SHM_*``): the launcher passes them to
+  ``tritonserver``, the planner sizes /dev/shm with them.
+
+Standard library only: the builder, the launcher and the router inside Triton's Python stub all
+import it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NamedTuple
+
+MiB = 2**20
+
+# ----------------------------------------------------------------------------------- variant names
+# The version that plain names serve (the router sends it to ``<base>``, others to ``<base>_v<N>``).
+STABLE_VERSION = 1
+REALTIME = "realtime"
+# A request's latency class: realtime is the model's own batching, batch its ``<name>_batch``
+# variant (the builder's ``LatencyVariant.suffix``).
+LATENCY_CLASSES = (REALTIME, "batch")
+_VERSIONED = re.compile(r"^(?P<rest>.+)_v(?P<version>[0-9]+)$")
+
+
+def variant_name(base: str, latency_class: str | None = None, version: int | None = None) -> str:
+    """``<base>[_<latency_class>][_v<version>]``: no suffix for the realtime class (or None), none
+    for the stable version (or None)."""
+    return (base + (f"_{latency_class}" if latency_class and latency_class != REALTIME else "")
+            + (f"_v{version}" if version is not None and version != STABLE_VERSION else ""))
+
+
+class VariantName(NamedTuple):
+    base: str
+    latency_class: str  # REALTIME when the name has no class suffix
+    version: int | None  # None when the name has no ``_v<N>`` suffix
+
+    @property
+    def unversioned(self) -> str:
+        """The name without its ``_v<N>`` suffix (the ensemble that pins the stable version)."""
+        return variant_name(self.base, self.latency_class)
+
+
+def parse_variant_name(name: str, latency_classes: tuple[str, ...] = LATENCY_CLASSES) -> VariantName:
+    """The inverse of ``variant_name`` for ``latency_classes`` (a name ending in ``_batch`` is the batch
+    class of what precedes it)."""
+    version = None
+    versioned = _VERSIONED.match(name)
+    if versioned:
+        name, version = versioned["rest"], int(versioned["version"])
+    for latency_class in latency_classes:
+        suffix = f"_{latency_class}"
+        if latency_class != REALTIME and name.endswith(suffix) and len(name) > len(suffix):
+            return VariantName(name[:-len(suffix)], latency_class, version)
+    return VariantName(name, REALTIME, version)
+
+
+# ---------------------------------------------------------------------------------- the build stamp
+BUILT_FILE = ".built"
+
+
+@dataclass(frozen=True)
+class ComputeModelFacts:
+    """What the rollout and the planner need of a compute model: the versions built, its latency-class
+    variants (the same files, their own configs), the sequence bound of its -1 dimensions."""
+    versions: list[int] = field(default_factory=list)
+    latency_variants: list[str] = field(default_factory=list)
+    max_sequence_length: int = 0
+
+    @classmethod
+    def from_json(cls, data: dict) -> "ComputeModelFacts":
+        return cls(versions=list(data.get("versions", [])), latency_variants=list(data.get("latency_variants", [])),
+                   max_sequence_length=int(data.get("max_sequence_length") or 0))
+
+
+@dataclass
+class BuiltManifest:
+    """``<repository>/.built``, JSON, written by the builder last (repository.py) and read by the
+    launcher (public models, /dev/shm), the rollout (a model's family) and the planner."""
+    target: str = "embedded"
+    models: list[str] = field(default_factory=list)  # every model folder built, in build order
+    # The models whose inference the public ports serve (entry points and ensembles); None in a stamp
+    # written before the field existed: every model.
+    public_models: list[str] | None = None
+    model_table: list[dict] = field(default_factory=list)  # what was built from which weights (README)
+    compute_models: dict[str, ComputeModelFacts] = field(default_factory=dict)
+    # /dev/shm the Python-backend stubs may hold at full batches (None until the planner measured it)
+    shm_bytes: int | None = None
+
+    @staticmethod
+    def file(repository: Path) -> Path:
+        return Path(repository) / BUILT_FILE
+
+    @classmethod
+    def exists(cls, repository: Path) -> bool:
+        return cls.file(repository).exists()
+
+    @classmethod
+    def read(cls, repository: Path) -> "BuiltManifest":
+        """Raises OSError (not built) or ValueError (not JSON)."""
+        data = json.loads(cls.file(repository).read_text())
+        return cls(target=data.get("target", "embedded"), models=list(data.get("models", [])),
+                   public_models=data.get("public_models"), model_table=list(data.get("model_table", [])),
+                   compute_models={name: ComputeModelFacts.from_json(facts)
+                                   for name, facts in data.get("compute_models", {}).items()},
+                   shm_bytes=None if data.get("shm_bytes") is None else int(data["shm_bytes"]))
+
+    def to_json(self) -> str:
+        data = dataclasses.asdict(self)
+        if self.public_models is None:
+            del data["public_models"]
+        if self.shm_bytes is None:
+            del data["shm_bytes"]
+        return json.dumps(data, indent=2)
+
+    def write(self, repository: Path) -> None:
+        self.file(repository).write_text(self.to_json())
+
+
+# ------------------------------------------------------------------------- Python-backend /dev/shm
+# Each stub's shared-memory region starts at PYTHON_SHM_DEFAULT_BYTES and grows in
+# PYTHON_SHM_GROWTH_BYTES steps (16 MiB: an image batch does not pay for many small growths).
+PYTHON_SHM_DEFAULT_BYTES = 16 * MiB
+PYTHON_SHM_GROWTH_BYTES = 16 * MiB
+# tritonserver's --backend-config=python,... for those sizes (the launcher adds the region prefix).
+PYTHON_BACKEND_SHM_CONFIG = (f"shm-default-byte-size={PYTHON_SHM_DEFAULT_BYTES}",
+                             f"shm-growth-byte-size={PYTHON_SHM_GROWTH_BYTES}")
