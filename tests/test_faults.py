@@ -247,6 +247,22 @@ def test_one_greedy_client_is_refused_before_its_neighbours(server, fake):
         greedy.close()
 
 
+def test_a_killed_request_screen_is_restarted_and_readiness_says_so(server):
+    """kill -9 of the replica's request screen: the supervisor starts it again on the same ports
+    (readiness counts it: Replica.healthy), and inference is served again on both protocols."""
+    old = server.replicas[0].screen
+    os.kill(old.pid, signal.SIGKILL)
+    old.wait()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and (server.replicas[0].screen is old or not ready(server)):
+        time.sleep(0.2)
+    assert server.replicas[0].screen is not old and ready(server)
+    assert metric(scrape(server.metrics_url), "launcher_screen_restarts_total") == 1
+    for protocol in ("http", "grpc"):
+        client = TritonClient(protocol, server.url(protocol))
+        assert client.infer("text_embedding", {"text": text_tensor(["after the screen"])})["embedding"].shape == (1, 384)
+        client.close()
+
 def test_a_crashed_tritonserver_is_restarted_and_its_leftovers_removed(server):
     old_pid = server.process.pid
     old_stubs = find_stubs(old_pid)
