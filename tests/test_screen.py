@@ -4,6 +4,7 @@ never read, on both protocols, and that well-formed requests from tritonclient a
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -68,13 +69,25 @@ def test_duplicate_keys_are_refused_so_no_parser_sees_another_request():
     refused(lambda: check_http_request(POLICY, "text_embedding", "", body, 0), "key 'outputs' twice")
 
 
-@pytest.mark.parametrize("body", [
-    b'{"id":' + b"[" * 131_066,                   # unbalanced, the reported crasher
-    b'{"id":' + b'{"a":' * 40_000,                 # objects instead of arrays
-    b'{"id":' + b"[" * 1100 + b"]" * 1100 + b"}",  # balanced, over the limit
+@pytest.mark.parametrize("body,fragment", [
+    (b'{"id":' + b"[" * 131_066, "nests deeper"),                   # unbalanced, the reported crasher
+    (b'{"id":' + b'{"a":' * 40_000, "more than 1024 objects"),       # objects: refused by their count
+    (b'{"id":' + b'{"a":' * 1000 + b"[" * 2000, "nests deeper"),     # objects and arrays, under the count
+    (b'{"id":' + b"[" * 1100 + b"]" * 1100 + b"}", "nests deeper"),  # balanced, over the limit
 ])
-def test_deep_nesting_is_refused_without_recursion(body):
-    refused(lambda: check_http_request(POLICY, "text_embedding", "", body, 0), "nests deeper")
+def test_deep_nesting_is_refused_without_recursion(body, fragment):
+    refused(lambda: check_http_request(POLICY, "text_embedding", "", body, 0), fragment)
+
+
+def test_a_json_of_many_objects_is_refused_before_it_is_parsed():
+    """43,000 empty objects in 128 KiB cost the screen's parser 20 ms: refused from a byte count."""
+    body = b'{"inputs":[' + b",".join([b"{}"] * 43_000) + b"]}"
+    started = time.process_time()
+    refused(lambda: check_http_request(POLICY, "text_embedding", "", body, 0), "more than 1024 objects", "binary")
+    assert time.process_time() - started < 0.005
+    many = json.dumps({"inputs": [{"name": f"t{i}", "shape": [1, 1], "datatype": "BYTES", "data": ["{x}"],
+                                   "parameters": {}} for i in range(300)]}).encode()
+    check_http_request(POLICY, "text_embedding", "", many, 0)  # 600 objects and 300 braces in strings pass
 
 
 def test_nesting_a_request_may_need_passes_and_brackets_inside_strings_do_not_count():
@@ -84,7 +97,7 @@ def test_nesting_a_request_may_need_passes_and_brackets_inside_strings_do_not_co
     body = json.dumps({"inputs": [{"name": "text", "shape": [1, 1], "datatype": "BYTES", "data": ["x"]}],
                        "parameters": {"deep": value}}).encode()
     check_http_request(POLICY, "text_embedding", "", body, 0)
-    text = '[' * 5000 + '\\"' + '{' * 5000
+    text = '[' * 5000 + '\\"' + '{' * 1000
     body = json.dumps({"inputs": [{"name": "text", "shape": [1, 1], "datatype": "BYTES", "data": [text]}]}).encode()
     check_http_request(POLICY, "text_embedding", "", body, 0)
 
