@@ -22,6 +22,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 MANIFEST = ROOT / "tests" / "data" / "repository_manifest.json"
 WEIGHTS = (".onnx", ".onnx.data", ".npz", ".plan", ".content-hash")
+# Written into the repository after the build: the planner's cache of measured graphs (repo_builder
+# plan) and the router's run-time split (the rollout).
+NOT_BUILT = {".plan-graphs.json", "router/splits.json"}
 
 
 def manifest(repository: Path) -> dict[str, str]:
@@ -29,7 +32,8 @@ def manifest(repository: Path) -> dict[str, str]:
     entries = {}
     for path in sorted(repository.rglob("*")):
         relative = path.relative_to(repository)
-        if "__pycache__" in relative.parts or (path.is_dir() and not path.is_symlink()):
+        if ("__pycache__" in relative.parts or relative.as_posix() in NOT_BUILT
+                or (path.is_dir() and not path.is_symlink())):
             continue
         if path.is_symlink():
             entries[relative.as_posix()] = f"-> {path.readlink().as_posix()}"

@@ -46,7 +46,7 @@ def written_by_builder(source: mc.ModelConfig, pipeline, context) -> set[tuple[s
         tensor.dims.extend([SENTINEL_DIM] * count)
     for key in probe.parameters:
         probe.parameters[key].string_value = SENTINEL_VALUE
-    pipeline.patch_config(probe, context)
+    pipeline.configure(probe, context)
     written = {("parameter", key, 0) for key, value in probe.parameters.items() if value.string_value != SENTINEL_VALUE}
     return written | {("dims", tensor.name, index) for tensor in [*probe.input, *probe.output]
                       for index, dim in enumerate(tensor.dims) if dim != SENTINEL_DIM}

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from tritonclient.grpc import model_config_pb2 as mc
 
+from triton_pipelines import speech
 from triton_pipelines.speech import cross_names
 
 from .compute import ComputeModel, LatencyVariant, TensorSpec
@@ -104,6 +105,7 @@ def decoder_model(source: WhisperSource) -> ComputeModel:
 
 class SpeechPipeline(Pipeline):
     python_models = ("audio_features", "whisper_decode")
+    runtime_parameters = speech.CONFIG_PARAMETERS
     ensembles = ("speech_recognition",)
     python_latency_variants = {"whisper_decode": (SPEECH_BATCH_VARIANT,)}
 
