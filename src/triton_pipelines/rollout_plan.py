@@ -223,29 +223,51 @@ def measure(before: Metrics, after: Metrics, family: Family, share: float, targe
 
 
 # ----------------------------------------------------------------------------------- actions
+# Small frozen values, compared by kind and fields (a ``Pin(2)`` is not a ``Warm(2)``).
 @dataclass(frozen=True)
-class LoadVersions:
-    """Load every served member of the family with exactly ``versions`` (``added`` is the new one)."""
+class _OneVersion:
+    version: int
+
+
+@dataclass(frozen=True)
+class _Versions:
     versions: frozenset[int]
+
+
+class LoadEnsembles(_OneVersion):
+    """Load the ``<ensemble>_v<version>`` ensembles that are not READY."""
+
+
+class Pin(_OneVersion):
+    """Re-pin the plain ensembles (direct callers) to ``version``."""
+
+
+class Warm(_OneVersion):
+    """One request through each ensemble that serves ``version`` (an error ends the move)."""
+
+
+class Settle(_OneVersion):
+    """The split file holds ``version`` alone (100%): the move is done."""
+
+
+class WaitDrained(_Versions):
+    """Until ``versions`` get no more requests (nor hold pending ones)."""
+
+
+class WaitUnloaded(_Versions):
+    """Until no member holds ``versions`` READY or UNLOADING (bounded; logged past the bound)."""
+
+
+@dataclass(frozen=True)
+class LoadVersions(_Versions):
+    """Load every served member of the family with exactly ``versions`` (``added`` is the new one)."""
     added: int
 
 
 @dataclass(frozen=True)
-class LoadEnsembles:
-    """Load the ``<ensemble>_v<version>`` ensembles that are not READY."""
-    version: int
-
-
-@dataclass(frozen=True)
-class Pin:
-    """Re-pin the plain ensembles (direct callers) to ``version``."""
-    version: int
-
-
-@dataclass(frozen=True)
-class Warm:
-    """One request through each ensemble that serves ``version`` (an error ends the move)."""
-    version: int
+class Retire(_Versions):
+    """Load the members with what is loaded now, plus ``keep``, minus ``versions``."""
+    keep: int
 
 
 @dataclass(frozen=True)
@@ -265,30 +287,6 @@ class Hold:
     target: int
     sources: frozenset[int]
     rollback_to: int
-
-
-@dataclass(frozen=True)
-class WaitDrained:
-    """Until ``versions`` get no more requests (nor hold pending ones)."""
-    versions: frozenset[int]
-
-
-@dataclass(frozen=True)
-class Retire:
-    """Load the members with what is loaded now, plus ``keep``, minus ``versions``."""
-    versions: frozenset[int]
-    keep: int
-
-
-@dataclass(frozen=True)
-class WaitUnloaded:
-    versions: frozenset[int]
-
-
-@dataclass(frozen=True)
-class Settle:
-    """The split file holds ``version`` alone (100%): the move is done."""
-    version: int
 
 
 Action = Union[LoadVersions, LoadEnsembles, Pin, Warm, WriteSplit, Hold, WaitDrained, Retire, WaitUnloaded, Settle]
