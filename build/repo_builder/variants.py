@@ -157,9 +157,10 @@ class EnsembleVariants:
         # Every model with latency variants: compute models and BLS-loop Python models.
         self.variants = {m.name: m.latency_variants for m in compute_models} | (python_variants or {})
         self.configs = {name: read_config(context.output / name / "config.pbtxt") for name in ensembles}
-        # The models with variants each ensemble reaches through its steps and nested ensembles.
+        # The models with variants each ensemble reaches through its steps and nested ensembles (the
+        # rewrite below renames steps; a BLS model's calls are its own parameters).
         graph = EnsembleGraph.from_configs(self.configs)
-        self.reaches = {name: graph.reached(name) & set(self.variants) for name in self.configs}
+        self.reaches = {name: graph.reached(name, through_bls=False) & set(self.variants) for name in self.configs}
 
     def classes(self, name: str) -> list[str]:
         return sorted({v.suffix for m in self.reaches[name] for v in self.variants[m]})
