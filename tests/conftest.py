@@ -177,3 +177,13 @@ def statistics_after(client: TritonClient, model: str, before: dict, inferences:
         if int(after["inference_count"]) - int(before["inference_count"]) >= inferences or time.monotonic() > deadline:
             return after
         time.sleep(0.1)
+
+
+@pytest.fixture(scope="session")
+def postgres_server():
+    """A PostgreSQL server of its own (tests/postgres_server.py), for the spend ledger's tests."""
+    from .postgres_server import PostgresServer
+
+    server = PostgresServer()
+    yield server
+    server.stop()

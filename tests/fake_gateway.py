@@ -24,6 +24,15 @@ class Reply:
     completion_tokens: int | None = 7
     raw: bytes | None = None  # sent as-is (with status), e.g. b"not json"
     headers: dict | None = None  # extra response headers, e.g. {"Retry-After": "1"}
+    error_code: str | None = None  # a failure's error.code, e.g. "context_length_exceeded"
+    error_message: str | None = None  # a failure's error.message
+
+
+def context_length_error() -> Reply:
+    """What OpenAI answers when the prompt does not fit the model's window."""
+    return Reply(status=400, error_code="context_length_exceeded",
+                 error_message="This model's maximum context length is 128000 tokens. However, your messages "
+                               "resulted in 200000 tokens.")
 
 
 @dataclass
@@ -39,6 +48,7 @@ class FakeGateway:
         self.queue: list[Reply] = []
         self.default = Reply()
         self.rules: list[tuple[str, Reply]] = []  # (text in the messages, its reply): before the queue
+        self.by_model: dict[str, Reply] = {}  # requests for this model get this reply (first of all)
         self.lock = threading.Lock()
         self.wake = threading.Event()
         gateway = self
@@ -60,14 +70,18 @@ class FakeGateway:
                     gateway.requests.append(Recorded(self.path, {k.lower(): v for k, v in self.headers.items()}, body))
                     text = json.dumps(body.get("messages", ""))
                     ruled = [reply for marker, reply in gateway.rules if marker in text]
+                    if body.get("model") in gateway.by_model:
+                        ruled.insert(0, gateway.by_model[body.get("model")])
                     reply = ruled[0] if ruled else gateway.queue.pop(0) if gateway.queue else gateway.default
                 if reply.delay_s:
                     gateway.wake.wait(reply.delay_s)  # a slow or hung gateway; reset() ends the wait
                 if reply.raw is not None:
                     payload, content_type = reply.raw, "application/json"
                 elif reply.status != 200:
-                    payload = json.dumps({"error": {"message": f"fake failure {reply.status}",
-                                                    "type": "server_error"}}).encode()
+                    payload = json.dumps({"error": {
+                        "message": reply.error_message or f"fake failure {reply.status}",
+                        "type": "invalid_request_error" if reply.status < 500 else "server_error",
+                        "code": reply.error_code}}).encode()
                     content_type = "application/json"
                 else:
                     payload, content_type = json.dumps(gateway.completion(body, reply)).encode(), "application/json"
@@ -117,9 +131,18 @@ class FakeGateway:
         with self.lock:
             self.rules.append((marker, reply))
 
+    def for_model(self, model: str, reply: Reply | None) -> None:
+        """Requests for ``model`` get ``reply`` every time (None: back to normal)."""
+        with self.lock:
+            if reply is None:
+                self.by_model.pop(model, None)
+            else:
+                self.by_model[model] = reply
+
     def reset(self) -> None:
         with self.lock:
             self.queue, self.requests, self.default, self.rules = [], [], Reply(), []
+            self.by_model = {}
             self.wake.set()  # replies still waiting (a hung gateway) end now
             self.wake = threading.Event()
 

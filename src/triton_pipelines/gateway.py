@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import email.utils
 import os
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -33,6 +34,11 @@ API_KEY_ENV = "LLM_GATEWAY_API_KEY"
 # An attempt needs at least this long to be worth starting.
 MIN_ATTEMPT_S = 0.05
 RETRYABLE = ("timeout", "unreachable", "upstream_status")
+# How providers say a prompt is longer than the model's window (OpenAI's code, and the texts of
+# others behind OpenAI-compatible gateways).
+CONTEXT_WINDOW_CODES = ("context_length_exceeded", "context_window_exceeded", "string_above_max_length")
+CONTEXT_WINDOW_TEXT = re.compile(r"context[ _-]?(length|window)|maximum context|too many tokens|prompt is too long",
+                                 re.IGNORECASE)
 
 
 @dataclass
@@ -187,13 +193,15 @@ class GatewayClient:
                             continue
                         error = RouteError(error.reason, f"{error}; a retry after {wait:.1f} s would pass the "
                                                          f"request's deadline of {budget:g} s")
-                    if error.reason == "rejected":
+                    if error.reason in ("rejected", "context_window"):
                         breaker.record_success()  # the gateway is up; the request was refused
                     else:
                         breaker.record_failure()
                     verdict = True
                     suffix = f" (after {attempts} attempts)" if attempts > 1 else ""
-                    raise RouteError(error.reason, f"{error}{suffix}") from None
+                    final = RouteError(error.reason, f"{error}{suffix}")
+                    final.http_status = getattr(error, "http_status", None)
+                    raise final from None
                 breaker.record_success()
                 verdict = True
                 return Completion(text, input_tokens, output_tokens, attempts)
@@ -231,7 +239,12 @@ class GatewayClient:
             if status == 429 or status >= 500:
                 failure = RouteError("upstream_status", f"the gateway answered HTTP {status}: {detail}")
                 failure.retry_after_s = retry_after_s(getattr(error.response, "headers", None))
+                failure.http_status = status
                 raise failure from None
+            if status in (400, 413, 422) and (getattr(error, "code", None) in CONTEXT_WINDOW_CODES
+                                              or CONTEXT_WINDOW_TEXT.search(detail)):
+                raise RouteError("context_window", f"the prompt does not fit model {routed.target}'s context "
+                                                   f"window: HTTP {status}: {detail}") from None
             raise RouteError("rejected", f"the gateway refused the request: HTTP {status}: {detail}") from None
         except openai.APIResponseValidationError:
             raise RouteError("bad_response", "the gateway's answer is not a chat completion") from None
