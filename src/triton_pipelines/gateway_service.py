@@ -354,8 +354,9 @@ class GatewayService:
             error = RouteError(last_error.reason, f"{last_error} (models tried: {tried})", last_error.retry_after_s)
         elif attempts:
             retry = min((self.client.breaker(a.model).retry_in_s() for a in attempts), default=None)
-            error = RouteError("circuit_open", f"every model for this request is cooling down after repeated "
-                                               f"failures ({tried}); retry in {math.ceil(retry or 1)} s", retry)
+            error = RouteError("circuit_open", f"circuit open for every model of this request, cooling down after "
+                                               f"repeated failures ({tried}): retry in {math.ceil(retry or 1)} s",
+                               retry)
         else:
             error = RouteError("timeout", f"no answer within the request's deadline of {budget_s:g} s")
         raise error
