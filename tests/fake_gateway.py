@@ -83,6 +83,8 @@ class FakeGateway:
                         "type": "invalid_request_error" if reply.status < 500 else "server_error",
                         "code": reply.error_code}}).encode()
                     content_type = "application/json"
+                elif body.get("stream"):
+                    payload, content_type = gateway.stream_body(body, reply), "text/event-stream"
                 else:
                     payload, content_type = json.dumps(gateway.completion(body, reply)).encode(), "application/json"
                 try:
@@ -117,6 +119,22 @@ class FakeGateway:
                 "content": reply.content if reply.content is not None else f"echo:{body.get('model')}:{text}"}}],
             "usage": usage,
         }
+
+    @classmethod
+    def stream_body(cls, body: dict, reply: Reply) -> bytes:
+        """The completion as server-sent events: the text in 3 chunks, then (with
+        ``stream_options.include_usage``) a usage chunk without choices, then ``[DONE]``."""
+        whole = cls.completion(body, reply)
+        text = whole["choices"][0]["message"]["content"]
+        base = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": whole["created"],
+                "model": body.get("model")}
+        step = max(1, -(-len(text) // 3))
+        events = [dict(base, choices=[{"index": 0, "delta": {"role": "assistant", "content": text[i:i + step]},
+                                       "finish_reason": None}]) for i in range(0, len(text), step)]
+        events.append(dict(base, choices=[{"index": 0, "delta": {}, "finish_reason": "stop"}]))
+        if (body.get("stream_options") or {}).get("include_usage") and whole["usage"] is not None:
+            events.append(dict(base, choices=[], usage=whole["usage"]))
+        return b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
 
     @property
     def base_url(self) -> str:

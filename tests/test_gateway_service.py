@@ -186,3 +186,39 @@ def test_acomplete_on_the_callers_loop(fake, tmp_path):
 
     assert [a.model for a in asyncio.run(two())] == ["deepseek-v3.2"] * 2
     assert len(gateway.ledger.rows()) == 2
+
+
+def test_stream_yields_chunks_then_usage_with_cost_and_falls_back_before_the_first(fake, tmp_path):
+    gateway, _ = service(fake, tmp_path)
+    fake.for_model("gpt-4.1", Reply(status=429))
+    chunks = list(gateway.stream(None, model="gpt-4.1", messages=MESSAGES, max_tokens=50))
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == "echo:claude-sonnet-4.5:hello"
+    final = chunks[-1]
+    assert final["choices"] == [] and final["usage"] == {"prompt_tokens": 11, "completion_tokens": 7,
+                                                          "total_tokens": 18, "cost_usd": 0.0001545}
+    assert final["x_gateway"]["fallback_from"] == "gpt-4.1" and final["x_gateway"]["fallback_reason"] == "rate_limited"
+    assert [(r["model"], r["status"], r["cost_nusd"]) for r in gateway.ledger.rows()] == [
+        ("gpt-4.1", "failed", 0), ("claude-sonnet-4.5", "success", 154_500)]
+    assert fake.requests[-1].body["stream"] is True
+    gateway.close()
+
+
+def test_a_stream_its_client_leaves_is_charged_its_reservation(fake, tmp_path):
+    gateway, _ = service(fake, tmp_path)
+    chunks = gateway.stream(None, model="deepseek-v3.2", messages=MESSAGES, max_tokens=50)
+    first = next(chunks)
+    assert first["choices"][0]["delta"]["content"]
+    chunks.close()  # the client went away mid-stream
+    (row,) = gateway.ledger.rows()
+    assert row["status"] == "failed" and row["outcome"] == "stream_interrupted"
+    assert row["cost_nusd"] == row["reserved_nusd"] > 0
+    gateway.close()
+
+
+def test_stream_refusals_raise_before_any_chunk(fake, tmp_path):
+    gateway, _ = service(fake, tmp_path, [{"key": SECRET_A, "name": "team-a", "models": ["deepseek-v3.2"]}])
+    with pytest.raises(GatewayRefusal) as refused:
+        next(gateway.stream(gateway.authenticate(f"Bearer {SECRET_A}"), model="gpt-4.1", messages=MESSAGES))
+    assert refused.value.status == 403
+    gateway.close()

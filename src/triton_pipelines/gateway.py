@@ -253,6 +253,75 @@ class GatewayClient:
                                              f"({type(error).__name__})") from None
         return parse_completion(response)
 
+    async def open_stream(self, routed: RoutedRequest, deadline_s: float):
+        """A streamed chat completion (``stream_options.include_usage``): waits for the first chunk
+        (a failure until then is a RouteError, as ``complete``'s, without retries: the caller falls
+        back), then returns an async iterator of the chunks as dicts, the first one included. The
+        breaker hears the verdict when the stream ends (``StreamCall.finish``)."""
+        if not self.configured:
+            raise RouteError("not_configured",
+                             f"the external gateway is not configured: set {BASE_URL_ENV} and {API_KEY_ENV} "
+                             f"in the server's environment to serve task {routed.task}")
+        breaker = self.breaker(routed.target)
+        if not breaker.allow():
+            raise RouteError("circuit_open", f"the external gateway is failing for model {routed.target}: circuit "
+                                             f"open, calls fail fast for another {breaker.retry_in_s():.1f} s")
+        timeout_s = min(self.settings.timeout_s, deadline_s)
+        arguments = {"model": routed.target, "messages": routed.messages, "max_tokens": routed.max_tokens,
+                     "stream": True, "stream_options": {"include_usage": True}}
+        if routed.temperature is not None:
+            arguments["temperature"] = routed.temperature
+
+        async def first():
+            stream = await self._openai().chat.completions.create(**arguments, timeout=timeout_s)
+            iterator = stream.__aiter__()
+            return stream, iterator, await iterator.__anext__()
+
+        try:
+            stream, iterator, chunk = await self._guard(first(), timeout_s)
+        except RouteError as error:
+            breaker.record_success() if error.reason in ("rejected", "context_window") else breaker.record_failure()
+            raise
+        except BaseException:
+            breaker.release_trial()
+            raise
+        return StreamCall(self, breaker, stream, iterator, chunk, timeout_s)
+
+    async def _guard(self, awaitable, timeout_s: float):
+        """``awaitable`` with _call's mapping of the client's exceptions to RouteError."""
+        try:
+            return await asyncio.wait_for(self._mapped(awaitable), timeout_s + 0.05)
+        except asyncio.TimeoutError:
+            raise RouteError("timeout", f"the gateway did not answer within {timeout_s:g} s") from None
+        except StopAsyncIteration:
+            raise RouteError("bad_response", "the gateway's stream ended before its first chunk") from None
+
+    async def _mapped(self, awaitable):
+        import openai
+
+        try:
+            return await awaitable
+        except openai.APITimeoutError:
+            raise RouteError("timeout", "the gateway did not answer in time") from None
+        except openai.APIConnectionError:
+            raise RouteError("unreachable", "the gateway is unreachable (connection failed)") from None
+        except openai.APIStatusError as error:
+            status = error.status_code
+            detail = redact(str(getattr(error, "message", "") or "")[:300], self._api_key)
+            if status == 429 or status >= 500:
+                failure = RouteError("upstream_status", f"the gateway answered HTTP {status}: {detail}")
+                failure.http_status = status
+                failure.retry_after_s = retry_after_s(getattr(error.response, "headers", None))
+                raise failure from None
+            if status in (400, 413, 422) and (getattr(error, "code", None) in CONTEXT_WINDOW_CODES
+                                              or CONTEXT_WINDOW_TEXT.search(detail)):
+                raise RouteError("context_window", f"the prompt does not fit the model's context window: "
+                                                   f"HTTP {status}: {detail}") from None
+            raise RouteError("rejected", f"the gateway refused the request: HTTP {status}: {detail}") from None
+        except (openai.APIResponseValidationError, ValueError, TypeError) as error:
+            raise RouteError("bad_response", f"the gateway's answer could not be read "
+                                             f"({type(error).__name__})") from None
+
     async def close(self) -> None:
         if self._client is not None:
             client, self._client = self._client, None
@@ -271,3 +340,59 @@ def parse_completion(response) -> tuple[str, int, int]:
         raise RouteError("bad_response", "the gateway's answer reports no usable token usage, so its cost is "
                                          "unknown: refused")
     return str(choices[0].message.content), input_tokens, output_tokens
+
+
+_END = object()
+
+
+class StreamCall:
+    """An open streamed completion: ``async for chunk in call`` (dicts, OpenAI's chunk shape),
+    then ``usage`` (prompt_tokens, completion_tokens) if the gateway reported it."""
+
+    def __init__(self, client: GatewayClient, breaker: CircuitBreaker, stream, iterator, first, timeout_s: float):
+        self.client, self.breaker, self.stream, self.iterator = client, breaker, stream, iterator
+        self.first, self.timeout_s = first, timeout_s
+        self.usage: tuple[int, int] | None = None
+        self.text: list[str] = []
+
+    def _note(self, chunk) -> dict:
+        data = chunk.model_dump(exclude_none=True) if hasattr(chunk, "model_dump") else dict(chunk)
+        usage = data.get("usage")
+        if usage and isinstance(usage.get("prompt_tokens"), int) and isinstance(usage.get("completion_tokens"), int):
+            self.usage = (usage["prompt_tokens"], usage["completion_tokens"])
+        for choice in data.get("choices") or ():
+            content = (choice.get("delta") or {}).get("content")
+            if content:
+                self.text.append(content)
+        return data
+
+    async def _next(self):
+        try:
+            return await self.iterator.__anext__()
+        except StopAsyncIteration:
+            return _END
+
+    async def __aiter__(self):
+        verdict = False
+        try:
+            yield self._note(self.first)
+            while True:
+                chunk = await self.client._guard(self._next(), self.timeout_s)
+                if chunk is _END:
+                    break
+                yield self._note(chunk)
+            self.breaker.record_success()
+            verdict = True
+        except RouteError:
+            self.breaker.record_failure()
+            verdict = True
+            raise
+        finally:
+            if not verdict:
+                self.breaker.release_trial()
+            close = getattr(self.stream, "close", None)
+            if close is not None:
+                try:
+                    await close()
+                except Exception:
+                    pass

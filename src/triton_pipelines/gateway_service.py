@@ -37,7 +37,7 @@ import uuid
 from dataclasses import dataclass, field
 from decimal import Decimal
 from pathlib import Path
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, AsyncIterator, Callable, Iterator, Mapping, Protocol
 
 from .api_keys import ApiKey, KeyRing, keys_from_environment
 from .errors import InputError, refusal_text
@@ -48,6 +48,18 @@ from .spend_ledger import (KeyLimits, LimitExceeded, SpendLedger, call_cost_nusd
 
 # Failures that send the request on to the next model of its chain.
 FALLBACK_REASONS = frozenset({"upstream_status", "timeout", "unreachable", "bad_response", "circuit_open"})
+
+
+@dataclass(frozen=True)
+class _Plan:
+    requested: str
+    limits: KeyLimits
+    chain: tuple
+    deadline: float
+    budget_s: float
+    request_id: str
+    prompt_tokens: int
+    max_tokens: int
 
 
 class GatewayRefusal(Exception):
@@ -277,23 +289,10 @@ class GatewayService:
         """One chat completion under the key's limits, with fallbacks; raises GatewayRefusal (not
         served: 401/403/429), InputError (bad request, 400) or RouteError (the gateway failed on
         every model tried; ``reason`` as GatewayClient's, ``context_window`` when no larger window)."""
-        requested = self._resolve(task, model, tier)
-        if self.keys is not None and api_key is None:
-            raise self._unauthenticated("missing")
-        limits = KeyLimits.of(api_key)
-        if api_key is not None and not api_key.allows_model(requested):
-            self.recorder.refusal(api_key.name, "model_not_allowed")
-            raise GatewayRefusal(403, "model_not_allowed", f"key {api_key.name} may not use model {requested} "
-                                 f"(its models: {', '.join(api_key.models or ())})", openai_code="model_not_allowed")
-        settings = self.table.gateway
-        max_tokens = max_tokens or settings.default_max_tokens
-        budget_s = deadline_s if deadline_s is not None else (
-            self.table.deadline_s(task) if task else settings.deadline_s)
-        deadline = time.monotonic() + budget_s
-        request_id = request_id or uuid.uuid4().hex
-        prompt_tokens = estimate_prompt_tokens(messages, settings.image_tokens_estimate)
-        chain = [m for m in self.table.fallback_chain(task, requested)
-                 if api_key is None or api_key.allows_model(m)]
+        plan = self._plan(api_key, messages, task, model, max_tokens, tier, deadline_s, request_id)
+        requested, limits, chain, deadline, budget_s = (plan.requested, plan.limits, list(plan.chain), plan.deadline,
+                                                        plan.budget_s)
+        request_id, prompt_tokens, max_tokens = plan.request_id, plan.prompt_tokens, plan.max_tokens
         attempts: list[Attempt] = []
         admitted_once = False
         last_error: RouteError | None = None
@@ -349,6 +348,10 @@ class GatewayService:
             return GatewayAnswer(completion.text, current, completion.input_tokens, completion.output_tokens,
                                  usd(cost), requested, requested if current != requested else None, reason,
                                  limits.name, request_id, attempts)
+        raise self._exhausted(attempts, last_error, budget_s)
+
+    def _exhausted(self, attempts: list[Attempt], last_error: RouteError | None, budget_s: float) -> RouteError:
+        """The error of a request no model of its chain answered."""
         tried = ", ".join(f"{a.model}: {fallback_label(a)}" for a in attempts) or "none"
         if last_error is not None:
             error = RouteError(last_error.reason, f"{last_error} (models tried: {tried})", last_error.retry_after_s)
@@ -359,7 +362,150 @@ class GatewayService:
                                retry)
         else:
             error = RouteError("timeout", f"no answer within the request's deadline of {budget_s:g} s")
-        raise error
+        return error
+
+    def _plan(self, api_key: ApiKey | None, messages: list[dict], task: str | None, model: str | None,
+              max_tokens: int | None, tier: str | None, deadline_s: float | None, request_id: str | None) -> "_Plan":
+        """Who may call which models, within which deadline, reserving how many tokens."""
+        requested = self._resolve(task, model, tier)
+        if self.keys is not None and api_key is None:
+            raise self._unauthenticated("missing")
+        if api_key is not None and not api_key.allows_model(requested):
+            self.recorder.refusal(api_key.name, "model_not_allowed")
+            raise GatewayRefusal(403, "model_not_allowed", f"key {api_key.name} may not use model {requested} "
+                                 f"(its models: {', '.join(api_key.models or ())})", openai_code="model_not_allowed")
+        settings = self.table.gateway
+        budget_s = deadline_s if deadline_s is not None else (
+            self.table.deadline_s(task) if task else settings.deadline_s)
+        chain = tuple(m for m in self.table.fallback_chain(task, requested)
+                      if api_key is None or api_key.allows_model(m))
+        return _Plan(requested, KeyLimits.of(api_key), chain, time.monotonic() + budget_s, budget_s,
+                     request_id or uuid.uuid4().hex, estimate_prompt_tokens(messages, settings.image_tokens_estimate),
+                     max_tokens or settings.default_max_tokens)
+
+    def _reserved(self, plan: "_Plan", model: str) -> int:
+        price = self.table.prices[model]
+        return call_cost_nusd(price.input_per_million, price.output_per_million, plan.prompt_tokens, plan.max_tokens)
+
+    # ----------------------------------------------------------------------------- streaming
+    def stream(self, api_key: ApiKey | None, *, messages: list[dict], task: str | None = None,
+               model: str | None = None, max_tokens: int | None = None, temperature: float | None = None,
+               tier: str | None = None, deadline_s: float | None = None,
+               request_id: str | None = None) -> Iterator[dict]:
+        """``astream`` from a thread: a blocking iterator of the same chunks. Refusals and failures
+        before the first chunk raise from the first ``next()``. Closing it early (``close()``, a
+        client that went away) stops the upstream stream and settles the call."""
+        loop = self._own_loop()
+        chunks = self.astream(api_key, messages=messages, task=task, model=model, max_tokens=max_tokens,
+                              temperature=temperature, tier=tier, deadline_s=deadline_s, request_id=request_id)
+        try:
+            while True:
+                try:
+                    yield asyncio.run_coroutine_threadsafe(chunks.__anext__(), loop).result()
+                except StopAsyncIteration:
+                    return
+        finally:
+            asyncio.run_coroutine_threadsafe(chunks.aclose(), loop).result(timeout=30)
+
+    async def astream(self, api_key: ApiKey | None, *, messages: list[dict], task: str | None = None,
+                      model: str | None = None, max_tokens: int | None = None, temperature: float | None = None,
+                      tier: str | None = None, deadline_s: float | None = None,
+                      request_id: str | None = None) -> AsyncIterator[dict]:
+        """A streamed chat completion under the key's limits: OpenAI ``chat.completion.chunk``
+        dicts as the gateway sends them (their own ``usage`` removed), then one last chunk with no
+        choices whose ``usage`` holds ``prompt_tokens``, ``completion_tokens``, ``total_tokens`` and
+        ``cost_usd``, and whose ``x_gateway`` names ``model``, ``requested_model``,
+        ``fallback_from``, ``fallback_reason``, ``request_id``. Fallbacks happen only before the
+        first chunk. A stream that breaks after it, or that reports no usage, is charged its
+        reservation (tokens went out; the real figure is unknown)."""
+        plan = self._plan(api_key, messages, task, model, max_tokens, tier, deadline_s, request_id)
+        chain, attempts, last_error, admitted_once = list(plan.chain), [], None, False
+        while chain:
+            current = chain.pop(0)
+            if self.client.breaker(current).state == "open":
+                attempts.append(Attempt(current, "cooldown"))
+                continue
+            remaining = plan.deadline - time.monotonic()
+            if remaining < MIN_ATTEMPT_S:
+                break
+            row = await self._admit(plan.limits, api_key, plan.request_id, task, current, plan.prompt_tokens,
+                                    plan.max_tokens, remaining, first=not admitted_once, attempts=attempts)
+            admitted_once = True
+            routed = RoutedRequest(task or "", "gateway", "realtime", current, current, messages=messages,
+                                   temperature=temperature, max_tokens=plan.max_tokens)
+            started = time.monotonic()
+            was_open = self.client.breaker(current).state == "open"
+            try:
+                call = await self.client.open_stream(routed, remaining)
+            except RouteError as error:
+                await self._settle(row, "failed", latency_s=time.monotonic() - started, outcome=error.reason)
+                if not was_open and self.client.breaker(current).state == "open":
+                    self.recorder.cooldown(current)
+                attempts.append(Attempt(current, error.reason, getattr(error, "http_status", None)))
+                last_error = error
+                if error.reason == "context_window":
+                    larger = self.table.larger_window(task, current, chain)
+                    if larger is None or (api_key is not None and not api_key.allows_model(larger)):
+                        raise
+                    chain = [larger] + [m for m in chain if m != larger]
+                    continue
+                if error.reason not in FALLBACK_REASONS:
+                    raise
+                continue
+            relay = self._relay(call, row, plan, current, attempts, started, api_key)
+            try:
+                async for item in relay:
+                    yield item
+            finally:  # closed now, not by the garbage collector: the settlement runs before we return
+                await relay.aclose()
+            return
+        raise self._exhausted(attempts, last_error, plan.budget_s)
+
+    async def _relay(self, call, row, plan: "_Plan", current: str, attempts: list[Attempt], started: float,
+                     api_key: ApiKey | None) -> AsyncIterator[dict]:
+        requested = plan.requested
+        fallback_from = requested if current != requested else None
+        reason = fallback_label(attempts[0]) if attempts and fallback_from else None
+        settled = False
+        chunks = call.__aiter__()
+        try:
+            last: dict = {}
+            async for chunk in chunks:
+                last = chunk
+                chunk.pop("usage", None)
+                if chunk.get("choices"):
+                    yield chunk
+            if call.usage is None:
+                input_tokens = output_tokens = None
+                charged = self._reserved(plan, current)
+            else:
+                input_tokens, output_tokens = call.usage
+                price = self.table.prices[current]
+                charged = call_cost_nusd(price.input_per_million, price.output_per_million, input_tokens,
+                                         output_tokens)
+            await self._settle(row, "success", input_tokens=input_tokens, output_tokens=output_tokens,
+                               cost_nusd=charged, latency_s=time.monotonic() - started,
+                               outcome="success" if call.usage else "success_without_usage",
+                               fallback_from=fallback_from, fallback_reason=reason)
+            settled = True
+            if fallback_from:
+                self.recorder.fallback(requested, current, reason or "unknown")
+            self.recorder.spend(plan.limits.name, current, float(usd(charged)))
+            if api_key is not None and self.ledger is not None:
+                await asyncio.to_thread(self._publish_budget, api_key)
+            yield {"id": last.get("id", f"chatcmpl-{plan.request_id}"), "object": "chat.completion.chunk",
+                   "created": last.get("created", int(time.time())), "model": current, "choices": [],
+                   "usage": {"prompt_tokens": input_tokens, "completion_tokens": output_tokens,
+                             "total_tokens": None if call.usage is None else input_tokens + output_tokens,
+                             "cost_usd": float(usd(charged))},
+                   "x_gateway": {"model": current, "requested_model": requested, "fallback_from": fallback_from,
+                                 "fallback_reason": reason, "request_id": plan.request_id}}
+        finally:
+            await chunks.aclose()  # the upstream stream closes now
+            if not settled:  # broken mid-way or abandoned by its client: tokens went out, figure unknown
+                await self._settle(row, "failed", cost_nusd=self._reserved(plan, current),
+                                   latency_s=time.monotonic() - started, outcome="stream_interrupted",
+                                   fallback_from=fallback_from, fallback_reason=reason)
 
     async def _admit(self, limits: KeyLimits, api_key: ApiKey | None, request_id: str, task: str | None,
                      model: str, prompt_tokens: int, max_tokens: int, remaining_s: float, first: bool,
