@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import contextlib
 import http.client
 import json
-import os
 import shutil
 from pathlib import Path
 
 import numpy as np
 import yaml
+
+from .conftest import environment  # noqa: F401  (the gateway tests' servers take it from here)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -24,21 +24,6 @@ def router_repository(source: Path, target: Path, gateway: dict | None = None) -
     document["gateway"].update(gateway or {})
     routes.write_text(yaml.safe_dump(document))
     return target
-
-
-@contextlib.contextmanager
-def environment(**values: str):
-    """Environment variables for servers started inside the block; restored after."""
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def http_route(address: str, task: str, payload: dict, secret: str | None = None,

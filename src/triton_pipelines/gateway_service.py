@@ -315,20 +315,8 @@ class GatewayService:
             try:
                 completion = await self.client.complete(routed, remaining)
             except RouteError as error:
-                await self._settle(row, "failed", latency_s=time.monotonic() - started, outcome=error.reason)
-                if not was_open and breaker.state == "open":
-                    self.recorder.cooldown(current)
-                attempt = Attempt(current, error.reason, getattr(error, "http_status", None))
-                attempts.append(attempt)
+                chain = await self._fall_back(error, row, current, chain, attempts, started, was_open, task, api_key)
                 last_error = error
-                if error.reason == "context_window":
-                    larger = self.table.larger_window(task, current, chain)
-                    if larger is None or (api_key is not None and not api_key.allows_model(larger)):
-                        raise
-                    chain = [larger] + [m for m in chain if m != larger]
-                    continue
-                if error.reason not in FALLBACK_REASONS:
-                    raise
                 continue
             price = self.table.prices[current]
             cost = call_cost_nusd(price.input_per_million, price.output_per_million, completion.input_tokens,
@@ -349,6 +337,25 @@ class GatewayService:
                                  usd(cost), requested, requested if current != requested else None, reason,
                                  limits.name, request_id, attempts)
         raise self._exhausted(attempts, last_error, budget_s)
+
+    async def _fall_back(self, error: RouteError, row: int | None, current: str, chain: list[str],
+                         attempts: list[Attempt], started: float, was_open: bool, task: str | None,
+                         api_key: ApiKey | None) -> list[str]:
+        """After ``current`` failed: its reservation settled at zero, a cooldown noted, and the rest
+        of the chain to try (a context-window error: a larger window first); raises ``error`` when
+        it is not one to fall back on."""
+        await self._settle(row, "failed", latency_s=time.monotonic() - started, outcome=error.reason)
+        if not was_open and self.client.breaker(current).state == "open":
+            self.recorder.cooldown(current)
+        attempts.append(Attempt(current, error.reason, getattr(error, "http_status", None)))
+        if error.reason == "context_window":
+            larger = self.table.larger_window(task, current, chain)
+            if larger is None or (api_key is not None and not api_key.allows_model(larger)):
+                raise error
+            return [larger] + [m for m in chain if m != larger]
+        if error.reason not in FALLBACK_REASONS:
+            raise error
+        return chain
 
     def _exhausted(self, attempts: list[Attempt], last_error: RouteError | None, budget_s: float) -> RouteError:
         """The error of a request no model of its chain answered."""
@@ -438,19 +445,8 @@ class GatewayService:
             try:
                 call = await self.client.open_stream(routed, remaining)
             except RouteError as error:
-                await self._settle(row, "failed", latency_s=time.monotonic() - started, outcome=error.reason)
-                if not was_open and self.client.breaker(current).state == "open":
-                    self.recorder.cooldown(current)
-                attempts.append(Attempt(current, error.reason, getattr(error, "http_status", None)))
+                chain = await self._fall_back(error, row, current, chain, attempts, started, was_open, task, api_key)
                 last_error = error
-                if error.reason == "context_window":
-                    larger = self.table.larger_window(task, current, chain)
-                    if larger is None or (api_key is not None and not api_key.allows_model(larger)):
-                        raise
-                    chain = [larger] + [m for m in chain if m != larger]
-                    continue
-                if error.reason not in FALLBACK_REASONS:
-                    raise
                 continue
             relay = self._relay(call, row, plan, current, attempts, started, api_key)
             try:
