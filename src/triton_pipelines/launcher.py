@@ -383,7 +383,7 @@ class Launcher:
         self.state_dir = private_dir((options.state_dir or Path(tempfile.mkdtemp(prefix="triton-state-"))).resolve())
         self.key = resolve_key()
         write_private(self.state_dir / "control.key", self.key + "\n")
-        options.spend_database_url = database_url(self.state_dir)  # $SPEND_DATABASE_URL, else spend.db here
+        options.spend_database_url = options.spend_database_url or database_url(self.state_dir)  # spend.db here
         self.metrics = LauncherMetrics()
         self.stopping, self._stopped = threading.Event(), threading.Event()
         self.replicas: list[Replica] = []
