@@ -308,7 +308,8 @@ class SpendLedger:
             now = self.clock()
             if key.limited:
                 self._lock_key(key, now)
-                self._reap(now, key.key_id)
+            self._reap(now, key.key_id)  # this key's reservations past their deadline: abandoned
+            if key.limited:
                 self._check(key, now, counts_request, check_rates)
             return self._insert(key, request_id, task, model, reserved_nusd, reserved_tokens, now,
                                 now + expires_in_s, counts_request)
