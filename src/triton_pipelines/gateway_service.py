@@ -224,8 +224,21 @@ class GatewayService:
         """Set the budget gauges of every key from the ledger (at start, and for the report)."""
         if self.keys is None or self.ledger is None:
             return
-        for key in self.keys:
-            self._publish_budget(key)
+        try:
+            for key in self.keys:
+                self._publish_budget(key)
+        except Exception as error:  # the gauges wait for the next call; serving does not
+            self.log(f"gateway: could not read the spend ledger for the budget gauges ({type(error).__name__})")
+
+    async def _refresh_budget(self, key: ApiKey | None) -> None:
+        """The key's budget gauges after a call; a ledger that cannot be read now costs the gauge,
+        not the answer."""
+        if key is None or self.ledger is None:
+            return
+        try:
+            await asyncio.to_thread(self._publish_budget, key)
+        except Exception as error:
+            self.log(f"gateway: could not read the spend of key {key.name} ({type(error).__name__})")
 
     def _publish_budget(self, key: ApiKey | None) -> None:
         if key is None or self.ledger is None or (key.max_budget_usd is None and key.soft_budget_usd is None):
@@ -331,8 +344,7 @@ class GatewayService:
             if current != requested:
                 self.recorder.fallback(requested, current, reason or "unknown")
             self.recorder.spend(limits.name, current, float(usd(cost)))
-            if api_key is not None and self.ledger is not None:
-                await asyncio.to_thread(self._publish_budget, api_key)
+            await self._refresh_budget(api_key)
             return GatewayAnswer(completion.text, current, completion.input_tokens, completion.output_tokens,
                                  usd(cost), requested, requested if current != requested else None, reason,
                                  limits.name, request_id, attempts)
@@ -487,8 +499,7 @@ class GatewayService:
             if fallback_from:
                 self.recorder.fallback(requested, current, reason or "unknown")
             self.recorder.spend(plan.limits.name, current, float(usd(charged)))
-            if api_key is not None and self.ledger is not None:
-                await asyncio.to_thread(self._publish_budget, api_key)
+            await self._refresh_budget(api_key)
             yield {"id": last.get("id", f"chatcmpl-{plan.request_id}"), "object": "chat.completion.chunk",
                    "created": last.get("created", int(time.time())), "model": current, "choices": [],
                    "usage": {"prompt_tokens": input_tokens, "completion_tokens": output_tokens,
