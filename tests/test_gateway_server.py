@@ -24,7 +24,7 @@ from .conftest import LOG_DIR, ensure_repository
 from .fake_gateway import Reply, context_length_error
 from .gateway_helpers import environment, grpc_route, http_route, router_repository
 
-SECRETS = {name: f"sk-{name}-{os.urandom(12).hex()}" for name in ("budget", "rpm", "narrow", "open")}
+SECRETS = {name: f"sk-{name}-{os.urandom(12).hex()}" for name in ("budget", "rpm", "narrow", "open", "replicas")}
 GATEWAY_KEY = "gw-" + os.urandom(12).hex()
 GATEWAY = {"timeout_s": 3.0, "max_retries": 0, "backoff_s": 0.05, "circuit_failure_threshold": 50,
            "deadline_s": 8.0, "reservation_margin_s": 2.0}
@@ -38,6 +38,7 @@ def keys_document() -> dict:
         {"key": SECRETS["rpm"], "name": "team-rpm", "rpm": 2},
         {"key": SECRETS["narrow"], "name": "team-narrow", "models": ["deepseek-v3.2", "gemini-2.5-flash"]},
         {"key": SECRETS["open"], "name": "team-open"},
+        {"key": SECRETS["replicas"], "name": "team-replicas", "max_budget_usd": 0.003},
     ]}
 
 
@@ -212,6 +213,37 @@ def test_kill_9_of_the_router_during_a_call_loses_no_charge_and_doubles_none(ser
     # one charge for the killed request: any other attempt of it (a fallback) failed, at zero
     others = [r for r in store.rows() if r["request_id"] == killed["request_id"] and r["id"] != killed["id"]]
     assert all(r["status"] == "failed" and r["cost_nusd"] == 0 for r in others), others
+
+
+def test_two_replicas_share_the_sqlite_ledger_under_16_clients(setup, fake):
+    """--replicas 2: two tritonservers (two router processes) on one SQLite file, 16 concurrent
+    clients on one key: the budget holds within one call."""
+    fake.reset()
+    replicated = start(setup, fake, replicas=2)
+    costs, lock = [], threading.Lock()
+
+    def client():
+        while True:
+            status, _, body = http_route(replicated.http_url, "general_llm", {"text": "hi", "tier": "best"},
+                                         secret=SECRETS["replicas"])
+            if status != 200:
+                assert status == 429, body
+                return
+            with lock:
+                costs.append(Decimal(str(body["result"]["usage"]["cost_usd"])))
+
+    try:
+        threads = [threading.Thread(target=client) for _ in range(16)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=300)
+    finally:
+        replicated.stop()
+    rows = ledger(setup).rows("WHERE key_name = ?", ("team-replicas",))
+    assert len({row["replica"] for row in rows}) == 2  # both routers served and wrote
+    total = sum(row["cost_nusd"] for row in rows)
+    assert total == nano_usd(sum(costs)) and nano_usd("0.003") <= total <= nano_usd("0.003") + nano_usd(costs[0])
 
 
 def test_spend_survives_a_restart(setup, fake, server):
