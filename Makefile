@@ -12,9 +12,10 @@ BUILD_FLAGS ?=
 
 install: $(INSTALLED)
 
-# Debian packages: nginx (the public front of the server, see src/triton_pipelines/proxy.py) and
-# espeak-ng (the speech quality tests and benchmark speak their clips with it).
-SYSTEM_PACKAGES := nginx-core espeak-ng
+# Debian packages: nginx (the public front of the server, see src/triton_pipelines/proxy.py),
+# espeak-ng (the speech quality tests and benchmark speak their clips with it) and postgresql (the
+# spend ledger's tests start their own PostgreSQL server: tests/postgres_server.py).
+SYSTEM_PACKAGES := nginx-core espeak-ng postgresql
 
 $(INSTALLED): requirements.txt requirements-serving.txt requirements-builder.txt requirements-embedded.txt requirements-nodeps.txt requirements-ops.txt pyproject.toml
 	@missing=""; for package in $(SYSTEM_PACKAGES); do \

@@ -28,6 +28,11 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 KEYS_FILE_ENV = "TRITON_API_KEYS_FILE"
+# The request screen resolves a router request's `Authorization: Bearer <key>` and forwards only
+# this header, the key's id, which tritonserver (--http/grpc-header-forward-pattern) hands the
+# router as a request parameter of the same name. A client's own copy (header or parameter) never
+# reaches Triton.
+KEY_ID_PARAMETER = "x-api-key-id"
 # A secret shorter than this is a typo or a guessable placeholder.
 MIN_SECRET_CHARS = 16
 MAX_SECRET_CHARS = 512

@@ -49,6 +49,8 @@ from .control import (STATE_ENV, ControlClient, private_dir, resolve_key, restri
 from .drain import drain
 from .layout import PYTHON_BACKEND_SHM_CONFIG, BuiltManifest
 from .processes import free_ports, remove_leftovers, shm_capacity, spawn
+from .api_keys import KEY_ID_PARAMETER
+from .spend_ledger import DATABASE_ENV, database_url
 from .proxy import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_JSON_BYTES, ProxyConfig, ProxyProcess,
                     default_worker_user)
 from .supervisor import LauncherMetrics, StatusServer, StubWatchdog
@@ -134,6 +136,8 @@ class ServerOptions:
     # One request through every loaded ensemble before the server is announced ready (warmup.py).
     warm_pipelines: bool = False
     extra_args: list[str] = field(default_factory=list)
+    # The gateway's spend ledger (SPEND_DATABASE_URL wins; the launcher sets sqlite in the state folder).
+    spend_database_url: str | None = None
 
 
 @dataclass(frozen=True)
@@ -160,6 +164,9 @@ def server_command(options: ServerOptions, internal: InternalPorts, key: str, sh
         f"--exit-timeout-secs={options.exit_timeout_secs}",
         f"--log-verbose={options.log_verbose}",
         *restricted_api_flags(key),
+        # the API key id the request screen resolved reaches the router as a request parameter
+        f"--http-header-forward-pattern=^{KEY_ID_PARAMETER}$",
+        f"--grpc-header-forward-pattern=^{KEY_ID_PARAMETER}$",
     ]
     backend_config = (*PYTHON_BACKEND_CONFIG, f"shm-region-prefix-name={shm_prefix}")
     command += [f"--backend-config=python,{setting}" for setting in backend_config]
@@ -232,9 +239,12 @@ class Replica:
         self.started_at = time.monotonic()
         # Its own session: a terminal's Ctrl-C reaches the launcher (which drains, then stops the
         # server) rather than tritonserver directly (whose own shutdown fails in-flight ensembles).
+        env = server_environment() if embedded else dict(os.environ)
+        if self.options.spend_database_url:
+            env[DATABASE_ENV] = self.options.spend_database_url
         return spawn(
             server_command(self.options, self.internal, self.key, self.shm_prefix),
-            env=server_environment() if embedded else None, stdout=self.stdout, stderr=self.stderr,
+            env=env, stdout=self.stdout, stderr=self.stderr,
             start_new_session=True)
 
     def alive(self) -> bool:
@@ -373,6 +383,7 @@ class Launcher:
         self.state_dir = private_dir((options.state_dir or Path(tempfile.mkdtemp(prefix="triton-state-"))).resolve())
         self.key = resolve_key()
         write_private(self.state_dir / "control.key", self.key + "\n")
+        options.spend_database_url = options.spend_database_url or database_url(self.state_dir)  # spend.db here
         self.metrics = LauncherMetrics()
         self.stopping, self._stopped = threading.Event(), threading.Event()
         self.replicas: list[Replica] = []
