@@ -1,0 +1,83 @@
+"""The launcher's side of the OpenAI-compatible frontend (``openai_server.py``): start it, see that it
+is alive, restart it, stop it with a drain, and read its metrics for the public ``:8002/metrics``.
+
+The launcher calls ``start()`` once, ``ensure_running()`` on every supervision pass, appends
+``metrics_text()`` to its own metrics, and ``stop()`` after nginx has stopped (so no new request
+arrives and the ones in flight finish against Triton) and before the replicas drain.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Callable
+
+from .processes import free_ports, spawn
+
+LOOPBACK = "127.0.0.1"
+
+
+class FrontendProcess:
+    def __init__(self, model_repository: Path, triton_grpc: list[str], log: Callable[[str], None],
+                 stdout=None, stderr=None, port: int | None = None):
+        self.model_repository = model_repository
+        self.triton_grpc = list(triton_grpc)
+        self.log = log
+        self.stdout, self.stderr = stdout, stderr
+        self.port = port or free_ports(1)[0]
+        self.restarts = 0
+        self.lock = threading.Lock()
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def address(self) -> str:
+        return f"{LOOPBACK}:{self.port}"
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "triton_pipelines.openai_server", f"--port={self.port}",
+                f"--model-repository={self.model_repository.resolve()}",
+                *[f"--triton-grpc={address}" for address in self.triton_grpc]]
+
+    def start(self) -> None:
+        self.process = spawn(self.command(), stdout=self.stdout, stderr=self.stderr, start_new_session=True)
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def ensure_running(self) -> bool:
+        """Restart it if it died; True when it was restarted."""
+        if self.process is None or self.alive():
+            return False
+        self.log(f"the OpenAI-compatible frontend exited with code {self.process.returncode}; restarting it")
+        with self.lock:
+            self.restarts += 1
+        self.start()
+        return True
+
+    def metrics_text(self) -> str:
+        lines = ["# HELP launcher_openai_frontend_restarts_total the OpenAI-compatible frontend (openai_server.py) "
+                 "restarted after an unexpected exit", "# TYPE launcher_openai_frontend_restarts_total counter",
+                 f"launcher_openai_frontend_restarts_total {self.restarts}"]
+        text = "\n".join(lines) + "\n"
+        if not self.alive():
+            return text
+        try:
+            with urllib.request.urlopen(f"http://{self.address}/metrics", timeout=2) as response:
+                return text + response.read().decode(errors="replace")
+        except (urllib.error.URLError, OSError):
+            return text
+
+    def stop(self, timeout_s: float = 30) -> None:
+        """SIGTERM: it stops accepting, finishes what is in flight, exits; killed after ``timeout_s``."""
+        if not self.alive():
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
