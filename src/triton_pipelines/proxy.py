@@ -65,8 +65,9 @@ DEFAULT_MAX_INFLIGHT = 256
 _MODEL = r"/v2/models/[^/]{1,256}(/versions/[0-9]{1,19})?"
 CONTROL_HTTP_PATTERN = (r"^/v2/(repository|systemsharedmemory|cudasharedmemory|logging|trace)(/|$)"
                         r"|^/v2/models/[^/]+(/versions/[0-9]+)?/trace/")
-# gRPC methods that pass; every other GRPCInferenceService method is a control API (or streaming,
-# which our non-decoupled models do not need and whose body limit would apply to the whole stream).
+# gRPC methods that pass to Triton; ModelInfer and ModelStreamInfer (decoupled models: their body
+# limit applies to the whole stream) go through the screen; every other GRPCInferenceService method
+# is a control API.
 PUBLIC_GRPC_METHODS = ("ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata",
                        "ModelInfer", "ModelConfig", "ModelStatistics")
 GRPC_SERVICE = "inference.GRPCInferenceService"
