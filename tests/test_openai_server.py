@@ -1,0 +1,287 @@
+"""The OpenAI-compatible surface (issue 23) through the public HTTP port, with the unmodified
+``openai`` client: models, embeddings (equal to native text_embedding, one Triton request per 64
+strings, real token counts), transcriptions and translations in every format and streamed (SSE from
+the decoupled ``speech_recognition_stream``), chat against the loopback fake gateway with cost,
+keys, and the same streaming pipeline on the public gRPC port (``start_stream``). Hostile input:
+tests/test_openai_hostile.py.
+
+One server for the module, with only the models these tests use (text embedding, the Whisper models
+and the streaming model), ``TRITON_API_KEYS_FILE`` set and the gateway variables pointing at the
+fake gateway."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import queue
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from triton_pipelines.client import TritonClient, text_tensor
+from triton_pipelines.launcher import start_on_free_ports
+
+from .conftest import LOG_DIR, ensure_repository, gateway_environment, statistics_after
+from .fake_gateway import Reply
+
+openai = pytest.importorskip("openai")
+
+MODELS = ["text_tokenizer", "text_encoder", "embedding_pooler", "text_embedding", "whisper_encoder",
+          "whisper_decoder", "speech_recognition_stream"]
+KEY = "sk-test-team-a-0123456789"
+OTHER_KEY = "sk-test-team-b-0123456789"
+GATEWAY_KEY = "gateway-secret-key-xyz"
+HELLO = Path(__file__).parent / "data" / "speech_hello.wav"
+HELLO_TEXT = "Hello World! This is a test on the speech recognition pipeline."
+
+
+@pytest.fixture(scope="module")
+def server(fake, tmp_path_factory):
+    keys = tmp_path_factory.mktemp("keys") / "keys.yaml"
+    keys.write_text(f'keys:\n  - {{key: "{KEY}", name: team-a}}\n'
+                    f'  - {{key: "{OTHER_KEY}", name: team-b, models: [deepseek-v3.2]}}\n')
+    saved = os.environ.get("TRITON_API_KEYS_FILE")
+    os.environ["TRITON_API_KEYS_FILE"] = str(keys)
+    try:
+        with gateway_environment(fake.base_url, GATEWAY_KEY):
+            launched = start_on_free_ports(ensure_repository(), LOG_DIR / "test-openai-server.log", models=MODELS,
+                                           timeout_s=900)
+    finally:
+        if saved is None:
+            os.environ.pop("TRITON_API_KEYS_FILE", None)
+        else:
+            os.environ["TRITON_API_KEYS_FILE"] = saved
+    yield launched
+    launched.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"http://{server.http_url}/v1", api_key=KEY, max_retries=0, timeout=300)
+
+
+def post(server, path: str, body: bytes, headers: dict) -> tuple[int, dict, bytes]:
+    request = urllib.request.Request(f"http://{server.http_url}{path}", data=body, headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=300) as response:
+            return response.status, dict(response.headers), response.read()
+    except urllib.error.HTTPError as error:
+        return error.code, dict(error.headers), error.read()
+
+
+# ------------------------------------------------------------------------------------ models, keys
+def test_models_lists_pipelines_and_gateway_models_with_their_owner(client):
+    models = {m.id: m.owned_by for m in client.models.list()}
+    assert {"text_embedding", "speech_recognition", "whisper-1"} <= set(models)
+    assert models["text_embedding"] == "self-hosted" and models["gpt-4.1"] == "gateway"
+    assert client.models.retrieve("deepseek-v3.2").owned_by == "gateway"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+
+
+@pytest.mark.parametrize("key", [None, "wrong-key-0123456789", KEY[:-1]])
+def test_a_missing_or_unknown_key_is_401_and_never_echoed(server, key):
+    headers = {"Content-Type": "application/json"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    status, _, body = post(server, "/v1/embeddings", b'{"model":"text_embedding","input":"x"}', headers)
+    assert status == 401
+    error = json.loads(body)["error"]
+    assert error["code"] == "invalid_api_key" and (key is None or key not in body.decode())
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"http://{server.http_url}/v1", api_key="nope-nope-nope-nope",
+                      max_retries=0).models.list()
+
+
+# ------------------------------------------------------------------------------------ embeddings
+def test_embeddings_equal_the_native_pipeline_and_count_real_tokens(client, server):
+    texts = ["How do I reset my password?", "Where is my parcel?", "", "héllo wörld " * 50]
+    response = client.embeddings.create(model="text_embedding", input=texts)
+    got = np.array([d.embedding for d in response.data], dtype=np.float32)
+    native = TritonClient("grpc", server.internal_url("grpc"))
+    try:
+        expected = native.infer("text_embedding", {"text": text_tensor(texts)})["embedding"]
+    finally:
+        native.close()
+    cosine = (got * expected).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(expected, axis=1)
+    assert cosine.min() >= 0.9999
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(server.options.model_repository / "text_tokenizer" / "1" / "tokenizer.json"))
+    tokenizer.no_padding()
+    tokenizer.enable_truncation(256)
+    assert response.usage.prompt_tokens == sum(len(tokenizer.encode(t).ids) for t in texts)
+    assert response.usage.prompt_tokens < len(texts) * 128  # real tokens, not the padded bucket
+    # (the openai client asks for base64 by default and decodes it; asked for explicitly, it is the string)
+    single = client.embeddings.create(model="text_embedding", input=texts[0], encoding_format="base64")
+    decoded = np.frombuffer(base64.b64decode(single.data[0].embedding), dtype="<f4")
+    assert np.allclose(decoded, expected[0], atol=1e-6)
+    floats = client.embeddings.create(model="text_embedding", input=texts[0], encoding_format="float")
+    assert np.allclose(np.array(floats.data[0].embedding, np.float32), expected[0], atol=1e-6)
+
+
+def test_a_list_of_64_strings_is_one_triton_request_and_130_are_three(client, server):
+    internal = TritonClient("http", server.internal_url("http"))
+    try:
+        for count, requests in ((64, 1), (130, 3)):
+            before = internal.statistics("text_embedding")["model_stats"][0]
+            response = client.embeddings.create(model="text_embedding", input=[f"text {i}" for i in range(count)])
+            assert [d.index for d in response.data] == list(range(count))
+            after = statistics_after(internal, "text_embedding", before, count)
+            assert int(after["inference_count"]) - int(before["inference_count"]) == count
+            assert int(after["inference_stats"]["success"]["count"]) - \
+                int(before["inference_stats"]["success"]["count"]) == requests
+    finally:
+        internal.close()
+
+
+# ------------------------------------------------------------------------------------ audio
+def test_transcription_in_every_response_format(client):
+    audio = HELLO.read_bytes()
+    assert client.audio.transcriptions.create(model="speech_recognition", file=("a.wav", audio)).text == HELLO_TEXT
+    assert client.audio.transcriptions.create(model="whisper-1", file=("a.wav", audio),
+                                              response_format="text").strip() == HELLO_TEXT
+    verbose = client.audio.transcriptions.create(model="speech_recognition", file=("a.wav", audio),
+                                                 response_format="verbose_json", language="en")
+    assert verbose.text == HELLO_TEXT and verbose.language == "english" and 3.0 < verbose.duration < 5.0
+    assert [(s.start, s.text) for s in verbose.segments] == [(0.0, HELLO_TEXT)]
+    srt = client.audio.transcriptions.create(model="speech_recognition", file=("a.wav", audio), response_format="srt")
+    assert srt.startswith("1\n00:00:00,000 --> 00:00:03,") and HELLO_TEXT in srt
+    vtt = client.audio.transcriptions.create(model="speech_recognition", file=("a.wav", audio), response_format="vtt")
+    assert vtt.startswith("WEBVTT\n\n00:00:00.000 --> 00:00:03.") and HELLO_TEXT in vtt
+
+
+def test_a_long_clip_has_one_segment_per_window_with_its_times(client):
+    import soundfile
+
+    samples, rate = soundfile.read(str(HELLO), dtype="float32")
+    pause = np.zeros(int(rate * 1.5), np.float32)
+    long = np.concatenate([np.concatenate([samples, pause])] * 9)  # ~47 s: two windows
+    import io
+
+    buffer = io.BytesIO()
+    soundfile.write(buffer, long, rate, format="WAV")
+    verbose = client.audio.transcriptions.create(model="speech_recognition", file=("long.wav", buffer.getvalue()),
+                                                 response_format="verbose_json")
+    assert len(verbose.segments) == 2
+    first, second = verbose.segments
+    assert first.start == 0.0 and 25.0 <= first.end <= 30.0 and second.start == first.end
+    assert abs(second.end - len(long) / rate) < 0.01
+    assert verbose.text == f"{first.text} {second.text}"
+
+
+def test_translation(client):
+    result = client.audio.translations.create(model="speech_recognition", file=("a.wav", HELLO.read_bytes()))
+    assert "speech recognition" in result.text.lower()
+
+
+def test_streamed_transcription_sends_deltas_as_tokens_are_decoded_then_done(client, server):
+    started = time.monotonic()
+    events = []
+    stream = client.audio.transcriptions.create(model="speech_recognition", file=("a.wav", HELLO.read_bytes()),
+                                                stream=True)
+    for event in stream:
+        events.append((time.monotonic() - started, event))
+    deltas = [e for _, e in events if e.type == "transcript.text.delta"]
+    done = [e for _, e in events if e.type == "transcript.text.done"]
+    assert len(deltas) >= 5 and len(done) == 1 and events[-1][1].type == "transcript.text.done"
+    assert "".join(d.delta for d in deltas) == done[0].text == HELLO_TEXT
+    # the deltas arrive over time, not all at the end
+    assert events[-1][0] - events[0][0] > 0.05
+    metrics = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
+    assert 'openai_streamed_responses_total{endpoint="/v1/audio/transcriptions",model="speech_recognition"}' in metrics
+
+
+def test_the_streaming_pipeline_on_the_public_grpc_port(server):
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    results: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    try:
+        audio = grpcclient.InferInput("audio", [1, 1], "BYTES")
+        audio.set_data_from_numpy(np.array([[HELLO.read_bytes()]], dtype=object))
+        client.async_stream_infer("speech_recognition_stream", [audio])
+        partials, final = [], None
+        while final is None:
+            result, error = results.get(timeout=120)
+            assert error is None, error
+            if result.as_numpy("is_final")[0, 0]:
+                final = result
+            else:
+                partials.append(result.as_numpy("delta")[0, 0].decode())
+        assert len(partials) >= 5 and "".join(partials) == final.as_numpy("transcript")[0, 0].decode() == HELLO_TEXT
+        segments = json.loads(final.as_numpy("segments")[0, 0])
+        assert segments[0]["start"] == 0.0 and segments[0]["text"] == HELLO_TEXT
+        # an internal model is refused on the stream as on ModelInfer
+        ids = grpcclient.InferInput("input_ids", [1, 1], "INT64")
+        ids.set_data_from_numpy(np.array([[1]], dtype=np.int64))
+        client.async_stream_infer("whisper_decoder", [ids])
+        result, error = results.get(timeout=30)
+        assert result is None and error is not None
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+# ------------------------------------------------------------------------------------ chat
+@pytest.fixture
+def gateway(fake):
+    fake.reset()
+    yield fake
+    fake.reset()
+
+
+def test_chat_completion_through_the_gateway_with_exact_cost(client, gateway):
+    gateway.script(Reply(content="hello back", prompt_tokens=1000, completion_tokens=500))
+    raw = client.chat.completions.with_raw_response.create(model="claude-sonnet-4.5",
+                                                           messages=[{"role": "user", "content": "hi"}])
+    completion = raw.parse()
+    assert completion.choices[0].message.content == "hello back"
+    # claude-sonnet-4.5: 4.50 $/M input, 15.00 $/M output
+    assert completion.usage.model_extra["cost_usd"] == pytest.approx(0.0045 + 0.0075)
+    assert float(raw.headers["x-request-cost-usd"]) == pytest.approx(0.012)
+    sent = gateway.requests[-1]
+    assert sent.body["model"] == "claude-sonnet-4.5" and sent.headers["authorization"] == f"Bearer {GATEWAY_KEY}"
+    assert KEY not in json.dumps(sent.headers)  # the client's key never goes upstream
+
+
+def test_streamed_chat_completion_with_usage_in_the_final_chunk(client, gateway):
+    gateway.script(Reply(content="streamed answer", prompt_tokens=10, completion_tokens=20))
+    chunks = list(client.chat.completions.create(model="deepseek-v3.2", messages=[{"role": "user", "content": "x"}],
+                                                 stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "streamed answer"
+    assert chunks[-1].usage.total_tokens == 30
+    assert chunks[-1].usage.model_extra["cost_usd"] == pytest.approx((10 * 0.42 + 20 * 1.68) / 1e6)
+
+
+def test_chat_errors(client, server, gateway):
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="text_embedding", messages=[{"role": "user", "content": "x"}])
+    assert caught.value.body["param"] == "model"
+    # a key limited to deepseek-v3.2 does not reach gpt-4.1
+    limited = openai.OpenAI(base_url=f"http://{server.http_url}/v1", api_key=OTHER_KEY, max_retries=0)
+    with pytest.raises(openai.NotFoundError):
+        limited.chat.completions.create(model="gpt-4.1", messages=[{"role": "user", "content": "x"}])
+    gateway.default = Reply(status=500)
+    with pytest.raises(openai.APIStatusError) as caught:
+        client.chat.completions.create(model="gemini-2.5-flash", messages=[{"role": "user", "content": "x"}])
+    assert caught.value.status_code == 502 and GATEWAY_KEY not in str(caught.value.body)
+
+
+def test_metrics_by_endpoint_and_model_never_show_a_key(client, server):
+    client.embeddings.create(model="text_embedding", input="metrics")
+    metrics = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
+    assert 'openai_requests_total{endpoint="/v1/embeddings",model="text_embedding",code="200"}' in metrics
+    assert 'openai_request_duration_seconds_bucket{endpoint="/v1/embeddings",model="text_embedding",le="+Inf"}' \
+        in metrics
+    assert "launcher_openai_frontend_restarts_total 0" in metrics
+    assert KEY not in metrics and OTHER_KEY not in metrics and "team-a" not in metrics
+    assert base64.b64encode(KEY.encode()).decode() not in metrics
