@@ -2,8 +2,9 @@
 ``openai`` client: models, embeddings (equal to native text_embedding, one Triton request per 64
 strings, real token counts), transcriptions and translations in every format and streamed (SSE from
 the decoupled ``speech_recognition_stream``), chat against the loopback fake gateway with cost,
-keys, and the same streaming pipeline on the public gRPC port (``start_stream``). Hostile input:
-tests/test_openai_hostile.py.
+keys, and the same streaming pipeline on the public gRPC port (``start_stream``); hostile input
+(the end of the module): clean OpenAI errors, neighbours served, the server alive; a client that
+leaves a stream stops its decode; a killed frontend is restarted.
 
 One server for the module, with only the models these tests use (text embedding, the Whisper models
 and the streaming model), ``TRITON_API_KEYS_FILE`` set and the gateway variables pointing at the
@@ -285,3 +286,177 @@ def test_metrics_by_endpoint_and_model_never_show_a_key(client, server):
     assert "launcher_openai_frontend_restarts_total 0" in metrics
     assert KEY not in metrics and OTHER_KEY not in metrics and "team-a" not in metrics
     assert base64.b64encode(KEY.encode()).decode() not in metrics
+
+
+# ------------------------------------------------------------------------------------ hostile input
+def multipart(parts: list[tuple[str, str | None, bytes]], boundary: str = "XyZ") -> tuple[bytes, dict]:
+    chunks = []
+    for name, filename, value in parts:
+        disposition = f'form-data; name="{name}"' + (f'; filename="{filename}"' if filename is not None else "")
+        chunks.append(f"--{boundary}\r\nContent-Disposition: {disposition}\r\n\r\n".encode() + value + b"\r\n")
+    body = b"".join(chunks) + f"--{boundary}--\r\n".encode()
+    return body, {"Content-Type": f"multipart/form-data; boundary={boundary}", "Authorization": f"Bearer {KEY}"}
+
+
+MODEL_PART = ("model", None, b"speech_recognition")
+
+
+def assert_openai_error(status: int, body: bytes, expected_status: int, param: str | None = "any") -> dict:
+    assert status == expected_status, (status, body[:300])
+    error = json.loads(body)["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if param != "any":
+        assert error["param"] == param, error
+    return error
+
+
+def neighbour_is_served(client):
+    assert len(client.embeddings.create(model="text_embedding", input="still here").data) == 1
+
+
+@pytest.mark.parametrize("case", ["1000 parts", "no file", "empty file", "1 MB filename", "json body",
+                                  "text body", "no boundary", "truncated multipart", "file twice",
+                                  "binary field", "100 KB field", "garbage audio"])
+def test_hostile_audio_requests_get_clean_errors(server, client, case):
+    audio = HELLO.read_bytes()
+    auth = {"Authorization": f"Bearer {KEY}"}
+    if case == "1000 parts":
+        body, headers = multipart([MODEL_PART] + [(f"x{i}", None, b"1") for i in range(1000)] + [("file", "a.wav", audio)])
+        expected, param = 400, None
+    elif case == "no file":
+        body, headers = multipart([MODEL_PART])
+        expected, param = 400, "file"
+    elif case == "empty file":
+        body, headers = multipart([MODEL_PART, ("file", "a.wav", b"")])
+        expected, param = 400, "file"
+    elif case == "1 MB filename":
+        body, headers = multipart([MODEL_PART, ("file", "a" * 2**20, audio)])
+        expected, param = 400, "file"
+    elif case == "json body":
+        body, headers = json.dumps({"model": "speech_recognition", "file": "x"}).encode(), {
+            **auth, "Content-Type": "application/json"}
+        expected, param = 400, None
+    elif case == "text body":
+        body, headers = b"hello", {**auth, "Content-Type": "text/plain"}
+        expected, param = 400, None
+    elif case == "no boundary":
+        body, headers = b"--x\r\n", {**auth, "Content-Type": "multipart/form-data"}
+        expected, param = 400, None
+    elif case == "truncated multipart":
+        body, headers = multipart([MODEL_PART, ("file", "a.wav", audio)])
+        body = body[:len(body) // 2]
+        expected, param = 400, "any"
+    elif case == "file twice":
+        body, headers = multipart([MODEL_PART, ("file", "a.wav", audio), ("file", "b.wav", audio)])
+        expected, param = 400, "file"
+    elif case == "binary field":
+        body, headers = multipart([("model", None, b"\xff\xfe"), ("file", "a.wav", audio)])
+        expected, param = 400, "model"
+    elif case == "100 KB field":
+        body, headers = multipart([MODEL_PART, ("prompt", None, b"p" * 100_000), ("file", "a.wav", audio)])
+        expected, param = 400, "prompt"
+    else:  # garbage audio
+        body, headers = multipart([MODEL_PART, ("file", "a.wav", b"RIFF" + os.urandom(5000))])
+        expected, param = 400, "file"
+    status, _, answer = post(server, "/v1/audio/transcriptions", body, headers)
+    assert_openai_error(status, answer, expected, param)
+    neighbour_is_served(client)
+
+
+def test_a_100_mb_file_is_413_in_openais_shape(server, client):
+    body, headers = multipart([MODEL_PART, ("file", "big.wav", b"\0" * (100 * 2**20))])
+    status, _, answer = post(server, "/v1/audio/transcriptions", body, headers)
+    error = assert_openai_error(status, answer, 413)
+    assert error["code"] == "request_too_large"
+    # just under the front's body limit but over the audio limit: refused by the frontend itself
+    body, headers = multipart([MODEL_PART, ("file", "big.wav", b"\0" * (64 * 2**20 - 4096))])
+    status, _, answer = post(server, "/v1/audio/transcriptions", body, headers)
+    assert status in (400, 413), answer[:200]  # 400: the audio decoder's refusal of a non-audio file
+    neighbour_is_served(client)
+
+
+@pytest.mark.parametrize("payload, status, param", [
+    ({"model": "text_embedding", "input": ["x"] * 10_000}, 400, "input"),
+    ({"model": "text_embedding", "input": [["a", ["b"]]]}, 400, "input"),
+    ({"model": "text_embedding", "input": [[1, 2], [3]]}, 400, "input"),
+    ({"model": "unknown-model", "input": "x"}, 404, "model"),
+    ({"model": "text_embedding", "input": "x" * 70_000}, 400, "input"),
+    ({"model": "text_embedding", "input": None}, 400, "input"),
+])
+def test_hostile_embeddings_requests_get_clean_errors(server, client, payload, status, param):
+    got, _, answer = post(server, "/v1/embeddings", json.dumps(payload).encode(),
+                          {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    assert_openai_error(got, answer, status, param)
+    neighbour_is_served(client)
+
+
+@pytest.mark.parametrize("body", [b"[" * 200_000, b"{" + b'"a":1,' * 300_000 + b'"a":2}', b"\x00" * 1000, b""])
+def test_hostile_json_bodies(server, client, body):
+    status, _, answer = post(server, "/v1/embeddings", body,
+                             {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    assert_openai_error(status, answer, 400)
+    neighbour_is_served(client)
+
+
+def test_a_client_that_leaves_a_stream_stops_its_decode(server, client):
+    """A ~25 s clip (one window, ~100 tokens): the client reads the first delta and hangs up; the
+    Triton stream is cancelled and the decoder stops within a few steps, the server stays alive."""
+    import http.client
+    import io
+
+    import soundfile
+
+    samples, rate = soundfile.read(str(HELLO), dtype="float32")
+    long = np.concatenate([np.concatenate([samples, np.zeros(int(rate * 0.5), np.float32)])] * 6)
+    buffer = io.BytesIO()
+    soundfile.write(buffer, long, rate, format="WAV")
+    body, headers = multipart([MODEL_PART, ("stream", None, b"true"), ("file", "long.wav", buffer.getvalue())])
+    internal = TritonClient("http", server.internal_url("http"))
+
+    def decoder_steps():
+        return int(internal.statistics("whisper_decoder")["model_stats"][0]["execution_count"])
+
+    try:
+        before = decoder_steps()
+        full = client.audio.transcriptions.create(model="speech_recognition", file=("long.wav", buffer.getvalue()))
+        time.sleep(0.5)
+        whole = decoder_steps() - before
+        assert whole > 40 and len(full.text.split()) > 40
+        host, port = server.http_url.rsplit(":", 1)
+        connection = http.client.HTTPConnection(host, int(port), timeout=120)
+        before = decoder_steps()
+        connection.request("POST", "/v1/audio/transcriptions", body, headers)
+        response = connection.getresponse()
+        assert response.status == 200 and response.getheader("Content-Type").startswith("text/event-stream")
+        assert b"transcript.text.delta" in response.readline()
+        connection.sock.close()  # the client leaves mid-stream
+        connection.close()
+        time.sleep(3)
+        cancelled = decoder_steps() - before
+        time.sleep(1)
+        assert decoder_steps() - before == cancelled  # nothing is still decoding
+        assert cancelled < whole / 2, (cancelled, whole)
+    finally:
+        internal.close()
+    metrics = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
+    assert 'openai_stream_disconnects_total{endpoint="/v1/audio/transcriptions",model="speech_recognition"} 1' \
+        in metrics
+    neighbour_is_served(client)
+    assert client.audio.transcriptions.create(model="speech_recognition", file=("a.wav", HELLO.read_bytes())).text \
+        == HELLO_TEXT
+
+
+def test_a_killed_frontend_is_restarted(server, client):
+    old = server.openai.process.pid
+    server.openai.process.kill()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            neighbour_is_served(client)
+            break
+        except (openai.APIStatusError, openai.APIConnectionError):
+            time.sleep(0.3)
+    neighbour_is_served(client)
+    assert server.openai.process.pid != old
+    metrics = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
+    assert "launcher_openai_frontend_restarts_total 1" in metrics

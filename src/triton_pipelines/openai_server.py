@@ -443,6 +443,8 @@ class Frontend:
 async def read_multipart(request) -> tuple[dict[str, str], str | None, bytes | None]:
     """The multipart body, bounded: at most ``MAX_MULTIPART_PARTS`` parts, the ``file`` part at most
     the audio limit, other fields ``MAX_FIELD_BYTES``, the file name ``MAX_FILENAME_CHARS``."""
+    from aiohttp import http_exceptions
+
     from .speech import MAX_AUDIO_BYTES
 
     if not (request.content_type or "").startswith("multipart/form-data"):
@@ -490,7 +492,10 @@ async def read_multipart(request) -> tuple[dict[str, str], str | None, bytes | N
                     raise proto.invalid(f"the field '{name[:64]}' is not UTF-8 text", name[:64]) from None
     except proto.OpenAIError:
         raise
-    except (ValueError, AssertionError, RuntimeError) as error:  # malformed multipart
+    except http_exceptions.LineTooLong:
+        raise proto.invalid("a multipart part's headers are too long (a file name of at most "
+                            f"{proto.MAX_FILENAME_CHARS} characters)", "file") from None
+    except (ValueError, AssertionError, RuntimeError, http_exceptions.HttpProcessingError) as error:
         raise proto.invalid(f"the multipart body cannot be read: {str(error)[:200]}") from None
     return fields, filename, data
 
