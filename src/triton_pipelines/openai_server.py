@@ -516,16 +516,16 @@ async def bounded_read(part, limit: int, error) -> bytes:
 def token_counter(model_repository: Path):
     """Real token counts (no padding) of texts as the served ``text_tokenizer`` tokenizes them: its
     own ``tokenizer.json`` and ``max_sequence_length`` (truncation), from the repository."""
-    from google.protobuf import text_format
-    from tritonclient.grpc import model_config_pb2
+    import re
 
-    from .text import TextTokenizer
+    from .text import MAX_SEQUENCE_LENGTH, TextTokenizer
 
     folder = model_repository / "text_tokenizer"
     if not (folder / "1" / "tokenizer.json").exists():
         return lambda texts: 0
-    config = text_format.Parse((folder / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
-    max_length = int(config.parameters["max_sequence_length"].string_value or 256)
+    found = re.search(r'key:\s*"max_sequence_length"\s*value:\s*\{\s*string_value:\s*"(\d+)"',
+                      (folder / "config.pbtxt").read_text())
+    max_length = int(found.group(1)) if found else MAX_SEQUENCE_LENGTH
     tokenizer = TextTokenizer(folder / "1" / "tokenizer.json", max_length=max_length, buckets=())
     return lambda texts: int(tokenizer.encode(list(texts)).attention_mask.sum())
 
