@@ -460,3 +460,27 @@ def test_a_killed_frontend_is_restarted(server, client):
     assert server.openai.process.pid != old
     metrics = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
     assert "launcher_openai_frontend_restarts_total 1" in metrics
+
+
+# ------------------------------------------------------------------------------------ README
+def readme_curl_commands() -> list[str]:
+    """The curl lines of the README's OpenAI section, joined across backslash continuations."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    section = readme.split("## OpenAI-compatible API", 1)[1].split("\n## ", 1)[0]
+    block = section.split("```bash", 1)[1].split("```", 1)[0].replace("\\\n", " ")
+    return [line.strip() for line in block.splitlines() if line.strip().startswith("curl ")]
+
+
+def test_the_readme_curl_examples_work_as_written(server, gateway):
+    import shlex
+    import subprocess
+
+    commands = readme_curl_commands()
+    assert len(commands) >= 5
+    root = Path(__file__).parents[1]
+    for command in commands:
+        argv = shlex.split(command.replace("localhost:8000", server.http_url))
+        argv[1:1] = ["-H", f"Authorization: Bearer {KEY}", "--fail-with-body"]  # the server's keys file
+        done = subprocess.run(argv, cwd=root, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, (command, done.stdout[:500], done.stderr[:500])
+        assert '"error"' not in done.stdout and done.stdout.strip(), (command, done.stdout[:300])
