@@ -484,3 +484,84 @@ def test_the_readme_curl_examples_work_as_written(server, gateway):
         done = subprocess.run(argv, cwd=root, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, (command, done.stdout[:500], done.stderr[:500])
         assert '"error"' not in done.stdout and done.stdout.strip(), (command, done.stdout[:300])
+
+
+def test_concurrent_streams_share_decoder_batches(client, server):
+    """Four streamed transcriptions at once: the streaming model decodes them in fewer executions
+    than requests (its dynamic batcher puts concurrent streams into one decode loop)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    internal = TritonClient("http", server.internal_url("http"))
+    try:
+        before = internal.statistics("speech_recognition_stream")["model_stats"][0]
+
+        def transcribe(_):
+            stream = client.audio.transcriptions.create(model="speech_recognition", stream=True,
+                                                        file=("a.wav", HELLO.read_bytes()))
+            return [e for e in stream if e.type == "transcript.text.done"][0].text
+
+        with ThreadPoolExecutor(4) as pool:
+            texts = list(pool.map(transcribe, range(4)))
+        assert texts == [HELLO_TEXT] * 4
+        after = statistics_after(internal, "speech_recognition_stream", before, 4)
+        executions = int(after["execution_count"]) - int(before["execution_count"])
+        assert int(after["inference_count"]) - int(before["inference_count"]) == 4 and executions < 4
+    finally:
+        internal.close()
+
+
+def test_keys_off_the_frontend_is_open_and_a_missing_triton_is_503(tmp_path):
+    """The frontend alone, without TRITON_API_KEYS_FILE, against a Triton that is not there."""
+    import subprocess
+    import sys
+
+    from triton_pipelines.processes import free_ports
+
+    port, nobody = free_ports(2)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_API_KEYS_FILE"}
+    process = subprocess.Popen([sys.executable, "-m", "triton_pipelines.openai_server", f"--port={port}",
+                                f"--triton-grpc=127.0.0.1:{nobody}", f"--model-repository={ensure_repository()}"],
+                               env=env, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                models = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2).read())
+                break
+            except OSError:
+                assert time.monotonic() < deadline and process.poll() is None
+                time.sleep(0.2)
+        assert {"text_embedding", "gpt-4.1"} <= {m["id"] for m in models["data"]}
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/embeddings", method="POST",
+                                         data=b'{"model":"text_embedding","input":"x"}',
+                                         headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as caught:
+            urllib.request.urlopen(request, timeout=30)
+        assert caught.value.code == 503 and json.loads(caught.value.read())["error"]["code"] == "service_unavailable"
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def test_stop_lets_a_stream_in_flight_finish(client, server):
+    """Last in the module (it stops the module's server): a streamed transcription in flight when
+    the launcher stops ends with its transcript.text.done (nginx closes gracefully, the frontend
+    finishes what it has, then the replicas drain)."""
+    import threading
+
+    events, first = [], threading.Event()
+
+    def transcribe():
+        stream = client.audio.transcriptions.create(model="speech_recognition", stream=True,
+                                                    file=("a.wav", HELLO.read_bytes()))
+        for event in stream:
+            events.append(event)
+            first.set()
+
+    worker = threading.Thread(target=transcribe)
+    worker.start()
+    assert first.wait(120)
+    server.stop()
+    worker.join(60)
+    assert events[-1].type == "transcript.text.done" and events[-1].text == HELLO_TEXT
+    assert not server.openai.alive()

@@ -8,6 +8,7 @@ arrives and the ones in flight finish against Triton) and before the replicas dr
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -32,6 +33,8 @@ class FrontendProcess:
         self.restarts = 0
         self.lock = threading.Lock()
         self.process: subprocess.Popen | None = None
+        # The environment of the first start (keys file, gateway variables), for every restart too.
+        self.environment = dict(os.environ)
 
     @property
     def address(self) -> str:
@@ -43,7 +46,8 @@ class FrontendProcess:
                 *[f"--triton-grpc={address}" for address in self.triton_grpc]]
 
     def start(self) -> None:
-        self.process = spawn(self.command(), stdout=self.stdout, stderr=self.stderr, start_new_session=True)
+        self.process = spawn(self.command(), env=self.environment, stdout=self.stdout, stderr=self.stderr,
+                             start_new_session=True)
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
