@@ -3,7 +3,7 @@
 - ``/v1/embeddings`` against the native ``text_embedding`` endpoint, both through the public HTTP
   port (nginx), one short text per request, the same closed-loop load generator, back-to-back pairs:
   added p50 at concurrency 1 (target ≤ 1 ms), throughput ratio at 16 (target ≥ 0.95×).
-- Speech on a ~12 s clip at concurrency 1: the streamed ``/v1/audio/transcriptions`` (SSE from
+- Speech on an 11 s clip at concurrency 1: the streamed ``/v1/audio/transcriptions`` (SSE from
   ``speech_recognition_stream``), time to the first ``transcript.text.delta`` and to
   ``transcript.text.done``, against the non-streaming ``speech_recognition`` pipeline over gRPC
   (targets: first partial within 25% of the full transcript's time; total ≤ 1.05×).
@@ -33,13 +33,16 @@ def embeddings_check(status: int, body: bytes) -> None:
         raise RuntimeError(f"/v1/embeddings answered {status}: {body[:300]!r}")
 
 
-def clip_12s() -> bytes:
+def clip_11s() -> bytes:
+    """The two test sentences twice, with pauses (11.4 s, one window, ~40 tokens). (The first sentence
+    repeated makes Whisper stop after its first words: a short decode that would hide the streaming.)"""
     import soundfile
 
-    samples, rate = soundfile.read(str(ROOT / "tests" / "data" / "speech_hello.wav"), dtype="float32")
-    pause = np.zeros(int(rate * 0.2), np.float32)
+    hello, rate = soundfile.read(str(ROOT / "tests" / "data" / "speech_hello.wav"), dtype="float32")
+    morning, _ = soundfile.read(str(ROOT / "tests" / "data" / "speech_good_morning.wav"), dtype="float32")
+    pause = np.zeros(int(rate * 0.5), np.float32)
     buffer = io.BytesIO()
-    soundfile.write(buffer, np.concatenate([samples, pause] * 3), rate, format="WAV")
+    soundfile.write(buffer, np.concatenate([hello, pause, morning, pause, hello, pause, morning]), rate, format="WAV")
     return buffer.getvalue()
 
 
@@ -96,7 +99,7 @@ def run(server) -> str:
 
     from triton_pipelines.client import TritonClient, text_tensor
 
-    audio = clip_12s()
+    audio = clip_11s()
     client = TritonClient("grpc", server.grpc_url)
     rounds = max(3, settings.pairs * 2)
     firsts, totals, natives = [], [], []
