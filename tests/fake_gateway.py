@@ -69,6 +69,8 @@ class FakeGateway:
                     payload = json.dumps({"error": {"message": f"fake failure {reply.status}",
                                                     "type": "server_error"}}).encode()
                     content_type = "application/json"
+                elif body.get("stream"):
+                    payload, content_type = gateway.stream_body(body, reply), "text/event-stream"
                 else:
                     payload, content_type = json.dumps(gateway.completion(body, reply)).encode(), "application/json"
                 try:
@@ -103,6 +105,24 @@ class FakeGateway:
                 "content": reply.content if reply.content is not None else f"echo:{body.get('model')}:{text}"}}],
             "usage": usage,
         }
+
+    @staticmethod
+    def stream_body(body: dict, reply: Reply) -> bytes:
+        """``stream: true``: the completion as OpenAI's chunks (server-sent events): a role chunk, one
+        chunk per word, the finish chunk, the usage chunk when ``stream_options.include_usage``, [DONE]."""
+        whole = FakeGateway.completion(body, reply)
+        text = whole["choices"][0]["message"]["content"]
+        base = {"id": whole["id"], "object": "chat.completion.chunk", "created": whole["created"],
+                "model": whole["model"]}
+        chunks = [{**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                        "finish_reason": None}]}]
+        words = text.split(" ")
+        chunks += [{**base, "choices": [{"index": 0, "delta": {"content": (" " if i else "") + word},
+                                         "finish_reason": None}]} for i, word in enumerate(words)]
+        chunks.append({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+        if (body.get("stream_options") or {}).get("include_usage") and whole["usage"] is not None:
+            chunks.append({**base, "choices": [], "usage": whole["usage"]})
+        return b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
 
     @property
     def base_url(self) -> str:

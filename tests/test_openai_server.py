@@ -257,8 +257,17 @@ def test_streamed_chat_completion_with_usage_in_the_final_chunk(client, gateway)
                                                  stream=True, stream_options={"include_usage": True}))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == "streamed answer"
+    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) == 2  # the gateway's own chunks
     assert chunks[-1].usage.total_tokens == 30
     assert chunks[-1].usage.model_extra["cost_usd"] == pytest.approx((10 * 0.42 + 20 * 1.68) / 1e6)
+    sent = gateway.requests[-1].body
+    assert sent["stream"] is True and sent["stream_options"] == {"include_usage": True}
+    # without include_usage the client gets no usage chunk (the cost is still known upstream)
+    gateway.script(Reply(content="a b c", prompt_tokens=1, completion_tokens=3))
+    chunks = list(client.chat.completions.create(model="deepseek-v3.2", messages=[{"role": "user", "content": "x"}],
+                                                 stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "a b c"
+    assert all(c.usage is None for c in chunks) and chunks[-1].choices[0].finish_reason == "stop"
 
 
 def test_chat_errors(client, server, gateway):

@@ -9,15 +9,16 @@ frontend's bounded thread pool. Failures are ``ChatError`` (status, message, cod
 
 For now this is implemented over the router's ``gateway.GatewayClient`` (one per process, on its
 own event-loop thread, so its circuit breakers are shared by every call): time-outs, bounded
-retries, breaker, and the route table's prices → ``usage.cost_usd``. Streaming is produced from the
-complete answer (one content chunk, then the finish chunk and, with ``include_usage``, the usage
-chunk): GatewayClient makes one non-streamed call. The gateway service of issue 24 (budgets,
-fallbacks, upstream streaming) replaces this module behind the same two functions.
+retries, breaker, and the route table's prices → ``usage.cost_usd``. A streamed completion is the
+gateway's own stream passed through chunk by chunk (one attempt, the same breaker, usage always
+asked for upstream so that the final chunk carries the cost). The gateway service of issue 24
+(budgets, fallbacks) replaces this module behind the same two functions.
 """
 
 from __future__ import annotations
 
 import asyncio
+import queue
 import threading
 import time
 import uuid
@@ -84,20 +85,83 @@ class GatewayChatBackend:
         }
 
     def stream(self, api_key, body: Mapping[str, Any]) -> Iterator[dict]:
-        """Chunks of the completed answer (see the module docstring); the last one carries the usage
-        when ``stream_options.include_usage`` is set."""
-        answer = self.complete(api_key, body)
-        base = {"id": answer["id"], "object": "chat.completion.chunk", "created": answer["created"],
-                "model": answer["model"]}
+        """The gateway's own chunks, passed through as they arrive (``stream=True``, usage always asked
+        for so the cost is known): the usage chunk gains ``cost_usd`` and is passed on only when the
+        client asked for it (``stream_options.include_usage``). One attempt (a stream that has started
+        cannot be retried); the model's circuit breaker counts it. Closing the iterator (the client
+        left) cancels the upstream call."""
+        model = body["model"]
+        if not self.client.configured:
+            raise ChatError(503, "the external gateway is not configured: set LLM_GATEWAY_BASE_URL and "
+                                 "LLM_GATEWAY_API_KEY in the server's environment", "gateway_not_configured")
+        breaker = self.client.breaker(model)
+        if not breaker.allow():
+            raise ChatError(503, f"the external gateway is failing for model {model}: circuit open",
+                            "circuit_open", breaker.retry_in_s())
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        extra = {"usage": None} if include_usage else {}
-        yield {**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                    "finish_reason": None}], **extra}
-        yield {**base, "choices": [{"index": 0, "delta": {"content": answer["choices"][0]["message"]["content"]},
-                                    "finish_reason": None}], **extra}
-        yield {**base, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}], **extra}
-        if include_usage:
-            yield {**base, "choices": [], "usage": answer["usage"]}
+        chunks: queue.Queue = queue.Queue(maxsize=256)
+        done = object()
+        future = asyncio.run_coroutine_threadsafe(self._pump(body, chunks, done), self.loop)
+        verdict = False
+        try:
+            usage_seen = False
+            while True:
+                try:
+                    item = chunks.get(timeout=self.table.gateway.timeout_s)
+                except queue.Empty:
+                    breaker.record_failure()
+                    verdict = True
+                    raise ChatError(504, f"the gateway sent nothing for {self.table.gateway.timeout_s:g} s",
+                                    "upstream_timeout") from None
+                if item is done:
+                    break
+                if isinstance(item, ChatError):
+                    (breaker.record_success if item.status == 400 else breaker.record_failure)()
+                    verdict = True
+                    raise item
+                usage = item.get("usage")
+                if usage:
+                    usage_seen = True
+                    usage["cost_usd"] = cost_usd(self.table.prices[model], int(usage.get("prompt_tokens") or 0),
+                                                 int(usage.get("completion_tokens") or 0))
+                    if not include_usage:
+                        if not item.get("choices"):
+                            continue
+                        item = {k: v for k, v in item.items() if k != "usage"}
+                elif include_usage and "usage" in item:
+                    item["usage"] = None
+                yield item
+            breaker.record_success()
+            verdict = True
+            if not usage_seen:  # an unaccountable stream: said at its end
+                raise ChatError(502, "the gateway's stream reported no token usage, so its cost is unknown",
+                                "upstream_bad_response")
+        finally:
+            future.cancel()
+            if not verdict:
+                breaker.release_trial()
+
+    async def _pump(self, body: Mapping[str, Any], chunks: "queue.Queue", done: object) -> None:
+        import openai
+
+        settings = self.table.gateway
+        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or settings.default_max_tokens
+        arguments = {"model": body["model"], "messages": self._messages(body),
+                     "max_tokens": min(int(max_tokens), settings.max_tokens_limit), "stream": True,
+                     "stream_options": {"include_usage": True}}
+        if body.get("temperature") is not None:
+            arguments["temperature"] = body["temperature"]
+        put = lambda item: self.loop.run_in_executor(None, chunks.put, item)  # noqa: E731 - never block the loop
+        try:
+            stream = await self.client._openai().chat.completions.create(**arguments, timeout=settings.timeout_s)
+            async for chunk in stream:
+                await put(chunk.model_dump(exclude_unset=True))
+            await put(done)
+        except openai.APIStatusError as error:
+            status = 400 if 400 <= error.status_code < 500 and error.status_code != 429 else 502
+            await put(ChatError(status, f"the gateway answered HTTP {error.status_code}", "upstream_error"))
+        except (openai.APIConnectionError, openai.APITimeoutError):
+            await put(ChatError(502, "the gateway is unreachable or did not answer", "upstream_unreachable"))
 
     def close(self) -> None:
         asyncio.run_coroutine_threadsafe(self.client.close(), self.loop).result(timeout=5)
