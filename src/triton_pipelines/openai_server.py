@@ -39,6 +39,7 @@ import numpy as np
 from . import openai_protocol as proto
 from .api_keys import KeyRing, bearer_secret, keys_from_environment
 from .layout import BuiltManifest
+from .screen import restarting_model_message
 
 EMBEDDING_BATCH = 64  # text_embedding's max_batch_size
 STREAM_MODEL = "speech_recognition_stream"
@@ -111,6 +112,9 @@ def triton_error(error: Exception, what: str) -> proto.OpenAIError:
     if "INVALID_ARGUMENT" in status or "invalid input: " in message:
         text = message.split("invalid input: ", 1)[-1]
         return proto.invalid(f"{what}: {text}", "file" if what == "audio" else "input")
+    restarting = restarting_model_message(message)
+    if restarting:  # a dead Python stub: the launcher is reloading that model
+        return proto.unavailable(f"{what}: {restarting}")
     if "DEADLINE_EXCEEDED" in status or "Deadline" in message:
         return proto.OpenAIError(504, f"{what}: the model did not answer in time", "server_error", None, "timeout")
     if any(s in status for s in ("UNAVAILABLE", "NOT_FOUND", "CANCELLED")) or "not ready" in message \
@@ -143,7 +147,8 @@ class Triton:
                 return await client.infer(model, inputs, outputs=requested, client_timeout=timeout_s)
             except self.grpcclient.InferenceServerException as failure:
                 error = failure
-                if "UNAVAILABLE" not in str(failure.status() or ""):
+                # a replica that is restarting, or whose model lost its stub: the next one may serve
+                if "UNAVAILABLE" not in str(failure.status() or "") and not restarting_model_message(str(failure)):
                     raise
         raise error
 
