@@ -274,3 +274,39 @@ def test_a_cancelled_request_stops_decoding_and_gets_one_empty_final_response():
     assert mine[-1][3] and mine[-1][2] == "" and len(mine) < 10
     other = [s for s in sent if s[0] == 1]
     assert other[-1][2] == "w7 w8"
+
+
+# ------------------------------------------------------------------------------------ the server's pieces
+def test_triton_failures_map_to_openai_errors():
+    from tritonclient.utils import InferenceServerException
+
+    from triton_pipelines.openai_server import triton_error
+
+    def failure(message, status):
+        return triton_error(InferenceServerException(message, status=status), "audio")
+
+    bad = failure("invalid input: input 'audio'[0] is not a decodable audio file", "StatusCode.INVALID_ARGUMENT")
+    assert bad.status == 400 and bad.param == "file" and "not a decodable audio file" in bad.message
+    assert failure("Request for unknown model: 'x' is not found", "StatusCode.NOT_FOUND").status == 503
+    assert failure("Deadline Exceeded", "StatusCode.DEADLINE_EXCEEDED").status == 504
+    dead = failure("Failed to process the request(s) for model 'a_0_0', message: Stub process 'a_0_0' is not "
+                   "healthy.", "StatusCode.INTERNAL")
+    assert dead.status == 503 and "restarting" in dead.message
+    assert failure("boom", "StatusCode.INTERNAL").status == 500
+
+
+def test_metrics_label_known_models_only_and_render_prometheus_text():
+    from triton_pipelines.openai_server import Metrics
+    from triton_pipelines.prometheus_text import parse_samples, total
+
+    metrics = Metrics({"text_embedding"})
+    metrics.observe("/v1/embeddings", "text_embedding", 200, 0.02)
+    metrics.observe("/v1/embeddings", "sk-secret-typed-as-a-model", 404, 0.001)
+    metrics.streamed("/v1/audio/transcriptions", "text_embedding")
+    text = metrics.render()
+    assert "sk-secret" not in text
+    samples = parse_samples(text)
+    assert total(samples, "openai_streamed_responses_total") == 1
+    assert 'openai_requests_total{endpoint="/v1/embeddings",model="other",code="404"} 1' in text
+    assert 'openai_request_duration_seconds_bucket{endpoint="/v1/embeddings",model="text_embedding",le="0.025"} 1' \
+        in text
