@@ -12,11 +12,13 @@ import os
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Callable
 
+from .api_keys import keys_from_environment
 from .processes import free_ports, spawn
 
 LOOPBACK = "127.0.0.1"
@@ -35,6 +37,12 @@ class FrontendProcess:
         self.process: subprocess.Popen | None = None
         # The environment of the first start (keys file, gateway variables), for every restart too.
         self.environment = dict(os.environ)
+        # A keys file that is named but missing or malformed stops the launcher's start here (the
+        # frontend would refuse to start, again and again), never serving /v1 open by accident.
+        keys_from_environment(self.environment)
+        self.started_at = 0.0
+        self.quick_exits = 0
+        self.next_start = 0.0
 
     @property
     def address(self) -> str:
@@ -46,6 +54,7 @@ class FrontendProcess:
                 *[f"--triton-grpc={address}" for address in self.triton_grpc]]
 
     def start(self) -> None:
+        self.started_at = time.monotonic()
         self.process = spawn(self.command(), env=self.environment, stdout=self.stdout, stderr=self.stderr,
                              start_new_session=True)
 
@@ -54,9 +63,17 @@ class FrontendProcess:
 
     def ensure_running(self) -> bool:
         """Restart it if it died; True when it was restarted."""
-        if self.process is None or self.alive():
+        if self.process is None or self.alive() or time.monotonic() < self.next_start:
             return False
-        self.log(f"the OpenAI-compatible frontend exited with code {self.process.returncode}; restarting it")
+        if self.next_start == 0.0:  # first seen dead: back off when it keeps dying at once
+            self.quick_exits = self.quick_exits + 1 if time.monotonic() - self.started_at < 10 else 1
+            backoff = min(30.0, 2.0 ** (self.quick_exits - 1)) if self.quick_exits > 1 else 0.0
+            self.log(f"the OpenAI-compatible frontend exited with code {self.process.returncode}; restarting it"
+                     + (f" in {backoff:.0f} s" if backoff else ""))
+            if backoff:
+                self.next_start = time.monotonic() + backoff
+                return False
+        self.next_start = 0.0
         with self.lock:
             self.restarts += 1
         self.start()
