@@ -266,7 +266,10 @@ def test_without_partials_only_the_final_response_is_sent_and_groups_are_respect
     assert [(s[1], s[3]) for s in sent] == [("w1 w2 w3", True)]
 
 
-def test_a_cancelled_request_stops_decoding_and_gets_one_empty_final_response():
+def test_a_cancelled_request_stops_decoding_and_gets_one_empty_final_response(monkeypatch):
+    from triton_pipelines import speech
+
+    monkeypatch.setattr(speech, "CANCEL_CHECK_S", 0.0)  # ask at every step (a real step takes ms)
     steps = []
     script = {0: list(range(1, 40)), 1: [7, 8]}
     sent = run_stream([job(0), job(1)], script, cancelled=lambda i: i == 0 and len(steps.append(1) or steps) > 3)
@@ -310,3 +313,9 @@ def test_metrics_label_known_models_only_and_render_prometheus_text():
     assert 'openai_requests_total{endpoint="/v1/embeddings",model="other",code="404"} 1' in text
     assert 'openai_request_duration_seconds_bucket{endpoint="/v1/embeddings",model="text_embedding",le="0.025"} 1' \
         in text
+
+
+def test_cancellation_is_asked_at_most_every_check_interval():
+    asked = []
+    run_stream([job(0)], {0: list(range(1, 30))}, cancelled=lambda i: asked.append(i) or False)
+    assert 1 <= len(asked) <= 2  # 29 steps within well under 0.1 s

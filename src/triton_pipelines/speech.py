@@ -20,6 +20,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import time
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -652,6 +653,11 @@ def text_delta(sent: str, now: str) -> str:
     return now[len(sent):] if now.startswith(sent) and len(now) > len(sent) else ""
 
 
+# How often a streamed request's cancellation is asked for while it decodes (a decoder step of
+# Whisper base takes ~20-60 ms on a CPU, a few ms on a GPU).
+CANCEL_CHECK_S = 0.1
+
+
 @dataclass
 class StreamJob:
     """One ``speech_recognition_stream`` request: its windows, their spans in the audio, prompts and
@@ -701,6 +707,7 @@ class StreamDecode:
         self.finished = np.zeros(start, dtype=bool)
         self.sent = {index: "" for index in self.ranges}
         self.gone: set[int] = set()
+        self.checked: dict[int, float] = {}
 
     def run(self) -> None:
         live = [(i, self.jobs[i]) for i in self.ranges]
@@ -728,8 +735,13 @@ class StreamDecode:
             self.send(index, stream_outputs(transcript, text_delta(self.sent[index], transcript), True, segments), True)
 
     def _cancelled(self, index: int) -> bool:
-        if index not in self.gone and self.cancelled(index):
-            self.gone.add(index)
+        """Asked of Triton at most every ``CANCEL_CHECK_S`` per request (each question is a round trip
+        from the stub to the server)."""
+        now = time.monotonic()
+        if index not in self.gone and now - self.checked.get(index, -1e9) >= CANCEL_CHECK_S:
+            self.checked[index] = now
+            if self.cancelled(index):
+                self.gone.add(index)
         return index in self.gone
 
     def _step(self, offset: int, state: "GreedyBatch") -> None:
