@@ -6,7 +6,7 @@ It does ``audio_features``' step in process (it needs each window's span in the 
 ``whisper_decode``'s loop over BLS calls to ``whisper_encoder`` / ``whisper_decoder``
 (``triton_pipelines.stub.whisper``): every request of a dynamic batch is decoded together, one
 decoder step for all running windows (``triton_pipelines.speech.StreamDecode``). A request whose
-client has gone (cancelled) stops decoding at the next step. Request parameter ``partials: false``:
+client has gone (cancelled) stops decoding within 0.1 s. Request parameter ``partials: false``:
 only the final response."""
 
 import triton_python_backend_utils as pb_utils
