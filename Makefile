@@ -75,9 +75,13 @@ k8s-rules: install
 	$(PY) deploy/k8s/render_prometheusrule.py
 
 # Only the speech section of docs/benchmarks.md (Whisper base vs faster-whisper), on model_repository/.
-.PHONY: bench-speech
+.PHONY: bench-speech bench-openai
 bench-speech: repository $(BENCH_INSTALLED)
 	$(PY) -m benchmarks bench_speech
+
+# The OpenAI-compatible frontend: /v1/embeddings against native, time to the first streamed partial.
+bench-openai: repository $(BENCH_INSTALLED)
+	$(PY) -m benchmarks bench_openai
 
 # perf_analyzer needs Debian's libb64 and libcudart.so.12 (from PyPI) even without a GPU.
 $(BENCH_INSTALLED): $(INSTALLED) requirements-bench.txt

@@ -120,21 +120,23 @@ class FakeGateway:
             "usage": usage,
         }
 
-    @classmethod
-    def stream_body(cls, body: dict, reply: Reply) -> bytes:
-        """The completion as server-sent events: the text in 3 chunks, then (with
-        ``stream_options.include_usage``) a usage chunk without choices, then ``[DONE]``."""
-        whole = cls.completion(body, reply)
+    @staticmethod
+    def stream_body(body: dict, reply: Reply) -> bytes:
+        """``stream: true``: the completion as OpenAI's chunks (server-sent events): a role chunk, one
+        chunk per word, the finish chunk, the usage chunk when ``stream_options.include_usage``, [DONE]."""
+        whole = FakeGateway.completion(body, reply)
         text = whole["choices"][0]["message"]["content"]
-        base = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": whole["created"],
-                "model": body.get("model")}
-        step = max(1, -(-len(text) // 3))
-        events = [dict(base, choices=[{"index": 0, "delta": {"role": "assistant", "content": text[i:i + step]},
-                                       "finish_reason": None}]) for i in range(0, len(text), step)]
-        events.append(dict(base, choices=[{"index": 0, "delta": {}, "finish_reason": "stop"}]))
+        base = {"id": whole["id"], "object": "chat.completion.chunk", "created": whole["created"],
+                "model": whole["model"]}
+        chunks = [{**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                        "finish_reason": None}]}]
+        words = text.split(" ")
+        chunks += [{**base, "choices": [{"index": 0, "delta": {"content": (" " if i else "") + word},
+                                         "finish_reason": None}]} for i, word in enumerate(words)]
+        chunks.append({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
         if (body.get("stream_options") or {}).get("include_usage") and whole["usage"] is not None:
-            events.append(dict(base, choices=[], usage=whole["usage"]))
-        return b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+            chunks.append({**base, "choices": [], "usage": whole["usage"]})
+        return b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
 
     @property
     def base_url(self) -> str:

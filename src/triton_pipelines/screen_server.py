@@ -29,6 +29,9 @@ from .errors import REFUSAL_STATUSES, parse_refusal
 from .screen import ScreenError, ScreenPolicy, check_grpc_request, check_http_request, restarting_model_message
 
 GRPC_INFER_METHOD = "/inference.GRPCInferenceService/ModelInfer"
+# Streaming inference (decoupled models: speech_recognition_stream): every request message of the
+# stream is screened like a ModelInfer request before it is forwarded.
+GRPC_STREAM_METHOD = "/inference.GRPCInferenceService/ModelStreamInfer"
 _INFER_PATH = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]*))?/infer$")
 _HOP_HEADERS = {b"connection", b"keep-alive", b"transfer-encoding", b"te", b"upgrade", b"proxy-connection"}
 # The only request headers Triton's inference endpoint reads; no other client header reaches it.
@@ -261,6 +264,7 @@ class GrpcScreen:
         self.channel = grpc.aio.insecure_channel(triton_grpc, options=[
             ("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)])
         self.call = self.channel.unary_unary(GRPC_INFER_METHOD)
+        self.stream_call = self.channel.stream_stream(GRPC_STREAM_METHOD)
 
     def handler(self):
         grpc = self.grpc
@@ -270,6 +274,8 @@ class GrpcScreen:
             def service(self, details):
                 if details.method == GRPC_INFER_METHOD:
                     return grpc.unary_unary_rpc_method_handler(screen.infer)
+                if details.method == GRPC_STREAM_METHOD:
+                    return grpc.stream_stream_rpc_method_handler(screen.stream)
                 return None
         return Handler()
 
@@ -305,6 +311,46 @@ class GrpcScreen:
                 # model's own UNAVAILABLE (e.g. the router's "gateway not configured") passes as is.
                 details = "the inference server is starting or restarting: retry shortly"
             await context.abort(code, details)
+
+
+    async def stream(self, requests, context):
+        """ModelStreamInfer: each request message checked, then written to Triton's stream; Triton's
+        responses come back as they are. A refused message ends the stream with its error (and
+        cancels what was forwarded); the caller's cancellation cancels the forwarded stream."""
+        grpc = self.grpc
+        metadata = tuple((k, v) for k, v in context.invocation_metadata() if k not in self._DROP)
+        call = self.stream_call(timeout=context.time_remaining(), metadata=metadata)
+        refused: list[ScreenError] = []
+
+        async def forward():
+            try:
+                async for request in requests:
+                    try:
+                        check_grpc_request(self.policy, request)
+                    except ScreenError as error:
+                        refused.append(error)
+                        call.cancel()
+                        return
+                    await call.write(request)
+                await call.done_writing()
+            except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                pass  # the upstream call ended; its status is read below
+
+        pump = asyncio.ensure_future(forward())
+        try:
+            async for response in call:
+                yield response
+        except asyncio.CancelledError:
+            if not refused:
+                raise
+        except grpc.aio.AioRpcError as error:
+            if not refused:
+                await context.abort(error.code(), error.details() or "")
+        finally:
+            pump.cancel()
+            call.cancel()
+        if refused:
+            await context.abort(getattr(grpc.StatusCode, refused[0].grpc_code), str(refused[0]))
 
 
 def load_public_models(path: Path | None) -> frozenset[str] | None:
