@@ -12,9 +12,10 @@ BUILD_FLAGS ?=
 
 install: $(INSTALLED)
 
-# Debian packages: nginx (the public front of the server, see src/triton_pipelines/proxy.py) and
-# espeak-ng (the speech quality tests and benchmark speak their clips with it).
-SYSTEM_PACKAGES := nginx-core espeak-ng
+# Debian packages: nginx (the public front of the server, see src/triton_pipelines/proxy.py),
+# espeak-ng (the speech quality tests and benchmark speak their clips with it) and postgresql (the
+# spend ledger's tests start their own PostgreSQL server: tests/postgres_server.py).
+SYSTEM_PACKAGES := nginx-core espeak-ng postgresql
 
 $(INSTALLED): requirements.txt requirements-serving.txt requirements-builder.txt requirements-embedded.txt requirements-nodeps.txt requirements-ops.txt pyproject.toml
 	@missing=""; for package in $(SYSTEM_PACKAGES); do \
@@ -74,9 +75,13 @@ k8s-rules: install
 	$(PY) deploy/k8s/render_prometheusrule.py
 
 # Only the speech section of docs/benchmarks.md (Whisper base vs faster-whisper), on model_repository/.
-.PHONY: bench-speech
+.PHONY: bench-speech bench-openai
 bench-speech: repository $(BENCH_INSTALLED)
 	$(PY) -m benchmarks bench_speech
+
+# The OpenAI-compatible frontend: /v1/embeddings against native, time to the first streamed partial.
+bench-openai: repository $(BENCH_INSTALLED)
+	$(PY) -m benchmarks bench_openai
 
 # perf_analyzer needs Debian's libb64 and libcudart.so.12 (from PyPI) even without a GPU.
 $(BENCH_INSTALLED): $(INSTALLED) requirements-bench.txt

@@ -143,12 +143,11 @@ def http_client(triton_server) -> TritonClient:
 
 
 @contextlib.contextmanager
-def gateway_environment(base_url: str, key: str):
-    """LLM_GATEWAY_BASE_URL / LLM_GATEWAY_API_KEY for a server started inside the block (the
-    router reads them at load); the test process's own values are restored after."""
-    names = ("LLM_GATEWAY_BASE_URL", "LLM_GATEWAY_API_KEY")
-    saved = {name: os.environ.get(name) for name in names}
-    os.environ.update(dict(zip(names, (base_url, key))))
+def environment(**values: str):
+    """Environment variables for servers started inside the block (the router reads them at
+    load); the test process's own values are restored after."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
     try:
         yield
     finally:
@@ -157,6 +156,11 @@ def gateway_environment(base_url: str, key: str):
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+def gateway_environment(base_url: str, key: str):
+    """LLM_GATEWAY_BASE_URL / LLM_GATEWAY_API_KEY for a server started inside the block."""
+    return environment(LLM_GATEWAY_BASE_URL=base_url, LLM_GATEWAY_API_KEY=key)
 
 
 @pytest.fixture(scope="module")
@@ -177,3 +181,13 @@ def statistics_after(client: TritonClient, model: str, before: dict, inferences:
         if int(after["inference_count"]) - int(before["inference_count"]) >= inferences or time.monotonic() > deadline:
             return after
         time.sleep(0.1)
+
+
+@pytest.fixture(scope="session")
+def postgres_server():
+    """A PostgreSQL server of its own (tests/postgres_server.py), for the spend ledger's tests."""
+    from .postgres_server import PostgresServer
+
+    server = PostgresServer()
+    yield server
+    server.stop()

@@ -24,6 +24,15 @@ class Reply:
     completion_tokens: int | None = 7
     raw: bytes | None = None  # sent as-is (with status), e.g. b"not json"
     headers: dict | None = None  # extra response headers, e.g. {"Retry-After": "1"}
+    error_code: str | None = None  # a failure's error.code, e.g. "context_length_exceeded"
+    error_message: str | None = None  # a failure's error.message
+
+
+def context_length_error() -> Reply:
+    """What OpenAI answers when the prompt does not fit the model's window."""
+    return Reply(status=400, error_code="context_length_exceeded",
+                 error_message="This model's maximum context length is 128000 tokens. However, your messages "
+                               "resulted in 200000 tokens.")
 
 
 @dataclass
@@ -39,6 +48,7 @@ class FakeGateway:
         self.queue: list[Reply] = []
         self.default = Reply()
         self.rules: list[tuple[str, Reply]] = []  # (text in the messages, its reply): before the queue
+        self.by_model: dict[str, Reply] = {}  # requests for this model get this reply (first of all)
         self.lock = threading.Lock()
         self.wake = threading.Event()
         gateway = self
@@ -60,15 +70,21 @@ class FakeGateway:
                     gateway.requests.append(Recorded(self.path, {k.lower(): v for k, v in self.headers.items()}, body))
                     text = json.dumps(body.get("messages", ""))
                     ruled = [reply for marker, reply in gateway.rules if marker in text]
+                    if body.get("model") in gateway.by_model:
+                        ruled.insert(0, gateway.by_model[body.get("model")])
                     reply = ruled[0] if ruled else gateway.queue.pop(0) if gateway.queue else gateway.default
                 if reply.delay_s:
                     gateway.wake.wait(reply.delay_s)  # a slow or hung gateway; reset() ends the wait
                 if reply.raw is not None:
                     payload, content_type = reply.raw, "application/json"
                 elif reply.status != 200:
-                    payload = json.dumps({"error": {"message": f"fake failure {reply.status}",
-                                                    "type": "server_error"}}).encode()
+                    payload = json.dumps({"error": {
+                        "message": reply.error_message or f"fake failure {reply.status}",
+                        "type": "invalid_request_error" if reply.status < 500 else "server_error",
+                        "code": reply.error_code}}).encode()
                     content_type = "application/json"
+                elif body.get("stream"):
+                    payload, content_type = gateway.stream_body(body, reply), "text/event-stream"
                 else:
                     payload, content_type = json.dumps(gateway.completion(body, reply)).encode(), "application/json"
                 try:
@@ -104,6 +120,24 @@ class FakeGateway:
             "usage": usage,
         }
 
+    @staticmethod
+    def stream_body(body: dict, reply: Reply) -> bytes:
+        """``stream: true``: the completion as OpenAI's chunks (server-sent events): a role chunk, one
+        chunk per word, the finish chunk, the usage chunk when ``stream_options.include_usage``, [DONE]."""
+        whole = FakeGateway.completion(body, reply)
+        text = whole["choices"][0]["message"]["content"]
+        base = {"id": whole["id"], "object": "chat.completion.chunk", "created": whole["created"],
+                "model": whole["model"]}
+        chunks = [{**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                        "finish_reason": None}]}]
+        words = text.split(" ")
+        chunks += [{**base, "choices": [{"index": 0, "delta": {"content": (" " if i else "") + word},
+                                         "finish_reason": None}]} for i, word in enumerate(words)]
+        chunks.append({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+        if (body.get("stream_options") or {}).get("include_usage") and whole["usage"] is not None:
+            chunks.append({**base, "choices": [], "usage": whole["usage"]})
+        return b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
+
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.server.server_address[1]}/v1"
@@ -117,9 +151,18 @@ class FakeGateway:
         with self.lock:
             self.rules.append((marker, reply))
 
+    def for_model(self, model: str, reply: Reply | None) -> None:
+        """Requests for ``model`` get ``reply`` every time (None: back to normal)."""
+        with self.lock:
+            if reply is None:
+                self.by_model.pop(model, None)
+            else:
+                self.by_model[model] = reply
+
     def reset(self) -> None:
         with self.lock:
             self.queue, self.requests, self.default, self.rules = [], [], Reply(), []
+            self.by_model = {}
             self.wake.set()  # replies still waiting (a hung gateway) end now
             self.wake = threading.Event()
 

@@ -141,3 +141,27 @@ class Logger:
     @classmethod
     def log_error(cls, message):
         cls.messages.append(("error", message))
+
+
+# Decoupled models: a request's response sender.
+class ResponseSender:
+    def __init__(self):
+        self.sent: list[tuple[object, int]] = []  # (response or None, flags)
+        self.cancelled = False
+
+    def send(self, response=None, flags=0):
+        if self.sent and self.sent[-1][1] & TRITONSERVER_RESPONSE_COMPLETE_FINAL:
+            raise RuntimeError("a response after the final one")
+        self.sent.append((response, flags))
+
+    def is_cancelled(self):
+        return self.cancelled
+
+
+def _response_sender(self):
+    if not hasattr(self, "_sender"):
+        self._sender = ResponseSender()
+    return self._sender
+
+
+Request.get_response_sender = _response_sender

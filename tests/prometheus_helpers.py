@@ -48,7 +48,12 @@ ROUTER_EXPORTED = {
     "router_upstream_latency_seconds": "histogram", "router_canary_requests_total": "counter",
 }
 # Only after a gateway call (tests/test_router_gateway.py checks them against the fake gateway).
-ROUTER_GATEWAY = {"router_gateway_tokens_total": "counter", "router_gateway_cost_usd_total": "counter"}
+ROUTER_GATEWAY = {"router_gateway_tokens_total": "counter", "router_gateway_cost_usd_total": "counter",
+                  # keys, budgets, fallbacks (tests/test_gateway_server.py checks them through a server)
+                  "router_spend_usd_total": "counter", "router_budget_remaining_usd": "gauge",
+                  "router_key_window_spend_usd": "gauge", "router_key_soft_budget_usd": "gauge",
+                  "router_fallbacks_total": "counter", "router_cooldowns_total": "counter",
+                  "router_refusals_total": "counter"}
 # Announced by the lead (router gauge, launcher metrics), not in this tree yet: when a server
 # exports one, tests/test_prometheus_live.py checks its type.
 ANNOUNCED = {

@@ -223,3 +223,34 @@ def test_only_the_stub_package_imports_triton():
     importers = sorted(str(path.relative_to(package)) for path in package.rglob("*.py")
                        if "import triton_python_backend_utils" in path.read_text())
     assert importers and all(name.startswith("stub/") for name in importers), importers
+
+
+@pytest.mark.slow
+def test_the_streaming_speech_adapter_sends_partials_then_the_whisper_decode_transcript(pb):
+    """speech_recognition_stream (decoupled) against the embedded runners: partial responses whose
+    deltas add up to the final transcript, one final response flagged final, a bad clip answered
+    alone; the transcript equals whisper_decode's for the same audio."""
+    import json as json_module
+
+    stream = initialized(ROOT / "python_models" / "speech_recognition_stream" / "model.py", "speech_recognition_stream")
+    features_model = initialized(ROOT / "python_models" / "audio_features" / "model.py", "audio_features")
+    decode_model = initialized(ROOT / "python_models" / "whisper_decode" / "model.py", "whisper_decode")
+    pb.MODELS["whisper_encoder"] = initialized(ONNX_RUNNER_TEMPLATE, "whisper_encoder")
+    pb.MODELS["whisper_decoder"] = initialized(ONNX_RUNNER_TEMPLATE, "whisper_decoder")
+    wav = (ROOT / "tests" / "data" / "speech_hello.wav").read_bytes()
+    good = pb.Request({"audio": np.array([[wav]], dtype=object)})
+    bad = pb.Request({"audio": np.array([[b"not audio"]], dtype=object)})
+    assert stream.execute([good, bad]) is None
+    (error, flags), = bad.get_response_sender().sent
+    assert flags == pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL and "not a decodable audio file" in error.error().message()
+    sent = good.get_response_sender().sent
+    assert [flags for _, flags in sent] == [0] * (len(sent) - 1) + [pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL]
+    values = [outputs(response) for response, _ in sent]
+    assert all(not v["is_final"][0, 0] for v in values[:-1]) and values[-1]["is_final"][0, 0]
+    text = values[-1]["transcript"][0, 0].decode()
+    assert "".join(v["delta"][0, 0].decode() for v in values) == text and len(values) > 5
+    assert json_module.loads(values[-1]["segments"][0, 0])[0]["text"] == text
+
+    (features,) = features_model.execute([pb.Request({"audio": np.array([[wav]], dtype=object)})])
+    (answer,) = decode_model.execute([pb.Request(outputs(features))])
+    assert outputs(answer)["transcript"][0, 0].decode() == text

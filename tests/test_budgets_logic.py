@@ -37,7 +37,7 @@ def test_the_built_configs_hold_the_runtime_constants():
     from .conftest import ensure_repository
 
     for model in ("image_preprocess", "classification_postprocess", "text_tokenizer", "audio_features",
-                  "whisper_decode"):
+                  "whisper_decode", "speech_recognition_stream"):
         built = read_config(ensure_repository() / model / "config.pbtxt").parameters
         assert {k: built[k].string_value for k in config_parameters(model)} == config_parameters(model), model
 

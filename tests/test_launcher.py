@@ -155,9 +155,11 @@ def test_generated_nginx_config_is_valid_and_listens_where_asked(tmp_path):
         assert f"listen {address}:18000 " in text and f"listen {address}:18001 http2 " in text
         assert "server 127.0.0.1:19000 max_fails=0;" in text and "server 127.0.0.1:19010 max_fails=0;" in text
         assert "client_max_body_size 131072;" in text
-        assert text.count("limit_conn inflight 256;") == 2  # the HTTP gate, gRPC ModelInfer
-        # one client's share: both HTTP infer locations (JSON and binary) and gRPC ModelInfer
-        assert text.count("limit_conn perclient 64;") == 3
+        # the HTTP gate (inference and /v1), gRPC ModelInfer and ModelStreamInfer
+        assert text.count("limit_conn inflight 256;") == 3
+        # one client's share: both HTTP infer locations (JSON and binary), /v1, gRPC ModelInfer and
+        # ModelStreamInfer
+        assert text.count("limit_conn perclient 64;") == 5
         # inference goes through the request screens, round robin like the replicas
         assert "server 127.0.0.1:19004 max_fails=0;" in text and "server 127.0.0.1:19015 max_fails=0;" in text
         assert "proxy_pass http://screen_http;" in text and "grpc_pass grpc://screen_grpc;" in text

@@ -104,9 +104,11 @@ def decoder_model(source: WhisperSource) -> ComputeModel:
 
 
 class SpeechPipeline(Pipeline):
-    python_models = ("audio_features", "whisper_decode")
+    python_models = ("audio_features", "whisper_decode", "speech_recognition_stream")
     runtime_parameters = speech.CONFIG_PARAMETERS
     ensembles = ("speech_recognition",)
+    # The decoupled streaming pipeline (partial transcripts on gRPC ModelStreamInfer) is one Python model.
+    entry_points = ("speech_recognition_stream",)
     python_latency_variants = {"whisper_decode": (SPEECH_BATCH_VARIANT,)}
 
     @staticmethod
@@ -135,9 +137,9 @@ class SpeechPipeline(Pipeline):
         for tensor in list(config.input) + list(config.output):
             if tensor.name == "input_features":
                 tensor.dims[-2] = arch["num_mel_bins"]
-        if config.name == "audio_features":
+        if config.name in ("audio_features", "speech_recognition_stream"):
             config.parameters["n_mels"].string_value = str(arch["num_mel_bins"])
-        elif config.name == "whisper_decode":
+        if config.name in ("whisper_decode", "speech_recognition_stream"):
             config.parameters["vocab_size"].string_value = str(arch["vocab_size"])
             config.parameters["decoder_layers"].string_value = str(arch["decoder_layers"])
             config.parameters["encoder_max_batch_size"].string_value = str(MAX_ENCODER_BATCH)
@@ -147,9 +149,9 @@ class SpeechPipeline(Pipeline):
 
     def write_assets(self, model_name: str, version_dir: Path, context: BuildContext) -> None:
         assets = whisper_assets_dir()
-        if model_name == "audio_features":
+        if model_name in ("audio_features", "speech_recognition_stream"):
             shutil.copy2(assets / "mel_filters.npz", version_dir / "mel_filters.npz")
-        elif model_name == "whisper_decode":
+        if model_name in ("whisper_decode", "speech_recognition_stream"):
             shutil.copy2(assets / "multilingual.tiktoken", version_dir / "multilingual.tiktoken")
 
     def model_table(self, context: BuildContext) -> list[dict]:

@@ -204,6 +204,22 @@ def model_rows(layout: Layout) -> None:
     layout.timeseries("Gateway circuit breakers", [
         ("model:router_gateway_circuit_open:max", "{{model}}"),
     ], "bool_on_off", "1 while the router's breaker for the gateway model is open (fails fast with 503).")
+    layout.timeseries("Spend per API key and model, last hour", [
+        ("key_name_model:router_spend_usd:increase1h", "{{key_name}} {{model}}"),
+    ], "currencyUSD", "USD settled in the spend ledger per key and model (router_spend_usd_total); "
+                      "python -m triton_pipelines.spend has the ledger's full report.")
+    layout.timeseries("Budget left per API key", [
+        ("key_name:router_budget_remaining_usd:min", "{{key_name}} left"),
+        ("key_name:router_key_window_spend_usd:max", "{{key_name}} spent this window"),
+    ], "currencyUSD", "max_budget_usd less spend and reservations in the key's current window; at 0 the key "
+                      "is refused with 429 until the window resets.")
+    layout.timeseries("Gateway fallbacks", [
+        ("from_to_reason:router_fallbacks:rate5m > 0", "{{from}} → {{to}} ({{reason}})"),
+    ], "reqps", "Requests answered by a fallback model; GatewayFallbacksRising fires past 10% of gateway requests.")
+    layout.timeseries("Cooldowns and refusals", [
+        ("model:router_cooldowns:increase1h > 0", "{{model}} cooled down (1 h)"),
+        ("key_name_reason:router_refusals:rate5m > 0", "{{key_name}} refused: {{reason}}"),
+    ], "short", "Models skipped after repeated failures (circuit open); requests refused by a key's limits.")
 
     layout.row("Health")
     layout.timeseries("Pods where each model is ready", [

@@ -3,20 +3,21 @@
 ``execute`` starts one task per request and returns at once; each task answers through its own
 response sender, so no request waits for another (a slow gateway call holds up nothing else).
 Logic: ``triton_pipelines.router_service`` (handling, bounds, deadlines), ``routing`` (parsing,
-routes, canary), ``gateway`` (the external route)."""
+routes, canary), ``gateway_service`` (keys, budgets, spend ledger, fallbacks), ``gateway``."""
 
 import asyncio
 import os
 
 import triton_python_backend_utils as pb_utils
 
-from triton_pipelines.gateway import GatewayClient
+from triton_pipelines.api_keys import KEY_ID_PARAMETER
+from triton_pipelines.gateway_service import GatewayService
 from triton_pipelines.router_service import RouterService
 from triton_pipelines.routing import Router, RouteTable, SplitFile
 from triton_pipelines.stub.bls import call_async
 from triton_pipelines.stub.metrics import RouterMetrics
 from triton_pipelines.stub.model_args import model_parameters, version_dir
-from triton_pipelines.stub.responses import input_array, output_response, response_error
+from triton_pipelines.stub.responses import input_array, output_response, request_parameters, response_error
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -27,13 +28,16 @@ class TritonPythonModel:
         table = RouteTable.load(version_dir(args) / "routes.yaml")
         split_path = (os.environ.get("ROUTER_SPLIT_FILE") or parameters.get("split_file")
                       or version_dir(args).parent / "splits.json")
-        self.gateway = GatewayClient(table.gateway)
-        self.service = RouterService(Router(table, SplitFile(split_path, table.canaries)), self.gateway,
-                                     call_async, RouterMetrics(), pb_utils.Logger.log_error)
+        metrics = RouterMetrics()
+        # keys ($TRITON_API_KEYS_FILE), the spend ledger ($SPEND_DATABASE_URL, set by the launcher)
+        self.gateway = GatewayService.from_environment(table, recorder=metrics, log=pb_utils.Logger.log_info)
+        self.service = RouterService(Router(table, SplitFile(split_path, table.canaries)), self.gateway.client,
+                                     call_async, metrics, pb_utils.Logger.log_error, self.gateway)
+        self.gateway.publish_budgets()
         self.tasks = set()
         self.refresher = None
         pb_utils.Logger.log_info(f"router: {len(table.tasks)} tasks; split file {split_path}; external gateway "
-                                 + ("configured" if self.gateway.configured else "not configured"))
+                                 + ("configured" if self.gateway.client.configured else "not configured"))
 
     async def execute(self, requests):
         if self.refresher is None:  # the stub's event loop exists from the first execute on
@@ -47,7 +51,8 @@ class TritonPythonModel:
     async def answer(self, request):
         sender = request.get_response_sender()
         inputs = [input_array(request, name) for name in ("task", "payload", "latency_class")]
-        answer = await self.service.handle(*inputs, request.request_id() or None)
+        key_id = request_parameters(request).get(KEY_ID_PARAMETER)  # forwarded by the request screen
+        answer = await self.service.handle(*inputs, request.request_id() or None, key_id)
         if answer.reason:
             sender.send(pb_utils.InferenceResponse(error=response_error(answer.reason, answer.message)), flags=FINAL)
         else:

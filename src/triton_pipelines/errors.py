@@ -3,6 +3,8 @@ the UTF-8 check every text input goes through."""
 
 from __future__ import annotations
 
+import math
+import re
 from typing import Any
 
 # Every bad-input answer of our models starts with this. A direct client also gets the code
@@ -32,3 +34,28 @@ def decode_utf8(item: Any, where: str) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as error:
         raise InputError(f"{where} is not valid UTF-8 (byte 0x{data[error.start]:02x} at offset {error.start})") from None
+
+
+# ------------------------------------------------------------------------------ gateway refusals
+# Triton 2.51's error codes have no 401, 403 or 429. The router answers a refusal by a key's
+# limits with a message that starts with this marker (HTTP status, and seconds until the limit's
+# window reopens); the request screen (screen_server.py) strips it and answers that status with
+# `Retry-After` (gRPC: UNAUTHENTICATED / PERMISSION_DENIED / RESOURCE_EXHAUSTED). Without the
+# screen in front (Triton's loopback ports), the marker stays in the message.
+REFUSAL_STATUSES = {401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 429: "RESOURCE_EXHAUSTED"}
+_REFUSAL = re.compile(r"^\[refused (401|403|429)(?: retry-after=([0-9]{1,9}))?\] ")
+
+
+def refusal_text(status: int, message: str, retry_after_s: float | None = None) -> str:
+    if status not in REFUSAL_STATUSES:
+        raise ValueError(f"a refusal's status is one of {sorted(REFUSAL_STATUSES)}, not {status}")
+    after = f" retry-after={max(1, math.ceil(retry_after_s))}" if retry_after_s is not None else ""
+    return f"[refused {status}{after}] {message}"
+
+
+def parse_refusal(text: str) -> tuple[int, int | None, str] | None:
+    """(status, Retry-After seconds or None, message without the marker), or None."""
+    found = _REFUSAL.match(text)
+    if found is None:
+        return None
+    return int(found.group(1)), int(found.group(2)) if found.group(2) else None, text[found.end():]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import email.utils
 import os
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -33,6 +34,11 @@ API_KEY_ENV = "LLM_GATEWAY_API_KEY"
 # An attempt needs at least this long to be worth starting.
 MIN_ATTEMPT_S = 0.05
 RETRYABLE = ("timeout", "unreachable", "upstream_status")
+# How providers say a prompt is longer than the model's window (OpenAI's code, and the texts of
+# others behind OpenAI-compatible gateways).
+CONTEXT_WINDOW_CODES = ("context_length_exceeded", "context_window_exceeded", "string_above_max_length")
+CONTEXT_WINDOW_TEXT = re.compile(r"context[ _-]?(length|window)|maximum context|too many tokens|prompt is too long",
+                                 re.IGNORECASE)
 
 
 @dataclass
@@ -156,15 +162,9 @@ class GatewayClient:
 
     async def complete(self, routed: RoutedRequest, deadline_s: float | None = None) -> Completion:
         """One chat completion with retries, all within ``deadline_s``; raises RouteError (reason:
-        not_configured, circuit_open, timeout, unreachable, upstream_status, rejected, bad_response)."""
-        if not self.configured:
-            raise RouteError("not_configured",
-                             f"the external gateway is not configured: set {BASE_URL_ENV} and {API_KEY_ENV} "
-                             f"in the server's environment to serve task {routed.task}")
-        breaker = self.breaker(routed.target)
-        if not breaker.allow():
-            raise RouteError("circuit_open", f"the external gateway is failing for model {routed.target}: circuit "
-                                             f"open, calls fail fast for another {breaker.retry_in_s():.1f} s")
+        not_configured, circuit_open, timeout, unreachable, upstream_status, rejected, context_window,
+        bad_response)."""
+        breaker = self._admit(routed)
         budget = deadline_s if deadline_s is not None else self.settings.deadline_s
         deadline = self.clock() + budget
         attempts = 0
@@ -187,19 +187,33 @@ class GatewayClient:
                             continue
                         error = RouteError(error.reason, f"{error}; a retry after {wait:.1f} s would pass the "
                                                          f"request's deadline of {budget:g} s")
-                    if error.reason == "rejected":
+                    if error.reason in ("rejected", "context_window"):
                         breaker.record_success()  # the gateway is up; the request was refused
                     else:
                         breaker.record_failure()
                     verdict = True
                     suffix = f" (after {attempts} attempts)" if attempts > 1 else ""
-                    raise RouteError(error.reason, f"{error}{suffix}") from None
+                    final = RouteError(error.reason, f"{error}{suffix}")
+                    final.http_status = getattr(error, "http_status", None)
+                    raise final from None
                 breaker.record_success()
                 verdict = True
                 return Completion(text, input_tokens, output_tokens, attempts)
         finally:
             if not verdict:  # cancelled (the router's own deadline, a shutdown): no verdict on the gateway
                 breaker.release_trial()
+
+    def _admit(self, routed: RoutedRequest) -> CircuitBreaker:
+        """The model's breaker, once the gateway is configured and the breaker lets a call through."""
+        if not self.configured:
+            raise RouteError("not_configured",
+                             f"the external gateway is not configured: set {BASE_URL_ENV} and {API_KEY_ENV} "
+                             f"in the server's environment to serve task {routed.task}")
+        breaker = self.breaker(routed.target)
+        if not breaker.allow():
+            raise RouteError("circuit_open", f"the external gateway is failing for model {routed.target}: circuit "
+                                             f"open, calls fail fast for another {breaker.retry_in_s():.1f} s")
+        return breaker
 
     def _backoff(self, error: RouteError, attempts: int) -> float | None:
         exponential = min(self.settings.backoff_s * 2 ** (attempts - 1), self.settings.max_backoff_s)
@@ -214,13 +228,57 @@ class GatewayClient:
             raise RouteError("timeout", f"the gateway did not answer within {timeout_s:g} s") from None
 
     async def _call(self, routed: RoutedRequest, timeout_s: float) -> tuple[str, int, int]:
-        import openai
-
         arguments = {"model": routed.target, "messages": routed.messages, "max_tokens": routed.max_tokens}
         if routed.temperature is not None:
             arguments["temperature"] = routed.temperature
+        response = await self._mapped(self._openai().chat.completions.create(**arguments, timeout=timeout_s),
+                                      routed.target, timeout_s)
+        return parse_completion(response)
+
+    async def open_stream(self, routed: RoutedRequest, deadline_s: float):
+        """A streamed chat completion (``stream_options.include_usage``): waits for the first chunk
+        (a failure until then is a RouteError, as ``complete``'s, without retries: the caller falls
+        back), then returns an async iterator of the chunks as dicts, the first one included. The
+        breaker hears the verdict when the stream ends."""
+        breaker = self._admit(routed)
+        timeout_s = min(self.settings.timeout_s, deadline_s)
+        arguments = {"model": routed.target, "messages": routed.messages, "max_tokens": routed.max_tokens,
+                     "stream": True, "stream_options": {"include_usage": True}}
+        if routed.temperature is not None:
+            arguments["temperature"] = routed.temperature
+
+        async def first():
+            stream = await self._openai().chat.completions.create(**arguments, timeout=timeout_s)
+            iterator = stream.__aiter__()
+            return stream, iterator, await iterator.__anext__()
+
         try:
-            response = await self._openai().chat.completions.create(**arguments, timeout=timeout_s)
+            stream, iterator, chunk = await self._guard(first(), timeout_s, routed.target)
+        except RouteError as error:
+            breaker.record_success() if error.reason in ("rejected", "context_window") else breaker.record_failure()
+            raise
+        except BaseException:
+            breaker.release_trial()
+            raise
+        return StreamCall(self, breaker, stream, iterator, chunk, timeout_s, routed.target)
+
+    async def _guard(self, awaitable, timeout_s: float, model: str):
+        """``awaitable`` within ``timeout_s``, the client's exceptions as RouteError (``_mapped``)."""
+        try:
+            return await asyncio.wait_for(self._mapped(awaitable, model, timeout_s), timeout_s + 0.05)
+        except asyncio.TimeoutError:
+            raise RouteError("timeout", f"the gateway did not answer within {timeout_s:g} s") from None
+        except StopAsyncIteration:
+            raise RouteError("bad_response", "the gateway's stream ended before its first chunk") from None
+
+    async def _mapped(self, awaitable, model: str, timeout_s: float):
+        """``awaitable`` (a call of the ``openai`` client), its exceptions as RouteError: timeout,
+        unreachable, upstream_status (429/5xx: retryable, with ``retry_after_s`` and
+        ``http_status``), context_window, rejected (other 4xx), bad_response."""
+        import openai
+
+        try:
+            return await awaitable
         except openai.APITimeoutError:
             raise RouteError("timeout", f"the gateway did not answer within {timeout_s:g} s") from None
         except openai.APIConnectionError:
@@ -230,15 +288,17 @@ class GatewayClient:
             detail = redact(str(getattr(error, "message", "") or "")[:300], self._api_key)
             if status == 429 or status >= 500:
                 failure = RouteError("upstream_status", f"the gateway answered HTTP {status}: {detail}")
+                failure.http_status = status
                 failure.retry_after_s = retry_after_s(getattr(error.response, "headers", None))
                 raise failure from None
+            if status in (400, 413, 422) and (getattr(error, "code", None) in CONTEXT_WINDOW_CODES
+                                              or CONTEXT_WINDOW_TEXT.search(detail)):
+                raise RouteError("context_window", f"the prompt does not fit model {model}'s context "
+                                                   f"window: HTTP {status}: {detail}") from None
             raise RouteError("rejected", f"the gateway refused the request: HTTP {status}: {detail}") from None
-        except openai.APIResponseValidationError:
-            raise RouteError("bad_response", "the gateway's answer is not a chat completion") from None
-        except (ValueError, TypeError) as error:  # e.g. a body that is not JSON
+        except (openai.APIResponseValidationError, ValueError, TypeError) as error:
             raise RouteError("bad_response", f"the gateway's answer could not be read "
                                              f"({type(error).__name__})") from None
-        return parse_completion(response)
 
     async def close(self) -> None:
         if self._client is not None:
@@ -258,3 +318,60 @@ def parse_completion(response) -> tuple[str, int, int]:
         raise RouteError("bad_response", "the gateway's answer reports no usable token usage, so its cost is "
                                          "unknown: refused")
     return str(choices[0].message.content), input_tokens, output_tokens
+
+
+_END = object()
+
+
+class StreamCall:
+    """An open streamed completion: ``async for chunk in call`` (dicts, OpenAI's chunk shape),
+    then ``usage`` (prompt_tokens, completion_tokens) if the gateway reported it."""
+
+    def __init__(self, client: GatewayClient, breaker: CircuitBreaker, stream, iterator, first, timeout_s: float,
+                 model: str):
+        self.client, self.breaker, self.stream, self.iterator = client, breaker, stream, iterator
+        self.first, self.timeout_s, self.model = first, timeout_s, model
+        self.usage: tuple[int, int] | None = None
+        self.text: list[str] = []
+
+    def _note(self, chunk) -> dict:
+        data = chunk.model_dump(exclude_none=True) if hasattr(chunk, "model_dump") else dict(chunk)
+        usage = data.get("usage")
+        if usage and isinstance(usage.get("prompt_tokens"), int) and isinstance(usage.get("completion_tokens"), int):
+            self.usage = (usage["prompt_tokens"], usage["completion_tokens"])
+        for choice in data.get("choices") or ():
+            content = (choice.get("delta") or {}).get("content")
+            if content:
+                self.text.append(content)
+        return data
+
+    async def _next(self):
+        try:
+            return await self.iterator.__anext__()
+        except StopAsyncIteration:
+            return _END
+
+    async def __aiter__(self):
+        verdict = False
+        try:
+            yield self._note(self.first)
+            while True:
+                chunk = await self.client._guard(self._next(), self.timeout_s, self.model)
+                if chunk is _END:
+                    break
+                yield self._note(chunk)
+            self.breaker.record_success()
+            verdict = True
+        except RouteError:
+            self.breaker.record_failure()
+            verdict = True
+            raise
+        finally:
+            if not verdict:
+                self.breaker.release_trial()
+            close = getattr(self.stream, "close", None)
+            if close is not None:
+                try:
+                    await close()
+                except Exception:
+                    pass

@@ -48,7 +48,10 @@ from .control import (STATE_ENV, ControlClient, private_dir, resolve_key, restri
                       write_private)
 from .drain import drain
 from .layout import PYTHON_BACKEND_SHM_CONFIG, BuiltManifest
+from .openai_process import FrontendProcess
 from .processes import free_ports, remove_leftovers, shm_capacity, spawn
+from .api_keys import KEY_ID_PARAMETER
+from .spend_ledger import DATABASE_ENV, database_url
 from .proxy import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_JSON_BYTES, ProxyConfig, ProxyProcess,
                     default_worker_user)
 from .supervisor import LauncherMetrics, StatusServer, StubWatchdog
@@ -134,6 +137,8 @@ class ServerOptions:
     # One request through every loaded ensemble before the server is announced ready (warmup.py).
     warm_pipelines: bool = False
     extra_args: list[str] = field(default_factory=list)
+    # The gateway's spend ledger (SPEND_DATABASE_URL wins; the launcher sets sqlite in the state folder).
+    spend_database_url: str | None = None
 
 
 @dataclass(frozen=True)
@@ -160,6 +165,9 @@ def server_command(options: ServerOptions, internal: InternalPorts, key: str, sh
         f"--exit-timeout-secs={options.exit_timeout_secs}",
         f"--log-verbose={options.log_verbose}",
         *restricted_api_flags(key),
+        # the API key id the request screen resolved reaches the router as a request parameter
+        f"--http-header-forward-pattern=^{KEY_ID_PARAMETER}$",
+        f"--grpc-header-forward-pattern=^{KEY_ID_PARAMETER}$",
     ]
     backend_config = (*PYTHON_BACKEND_CONFIG, f"shm-region-prefix-name={shm_prefix}")
     command += [f"--backend-config=python,{setting}" for setting in backend_config]
@@ -232,9 +240,12 @@ class Replica:
         self.started_at = time.monotonic()
         # Its own session: a terminal's Ctrl-C reaches the launcher (which drains, then stops the
         # server) rather than tritonserver directly (whose own shutdown fails in-flight ensembles).
+        env = server_environment() if embedded else dict(os.environ)
+        if self.options.spend_database_url:
+            env[DATABASE_ENV] = self.options.spend_database_url
         return spawn(
             server_command(self.options, self.internal, self.key, self.shm_prefix),
-            env=server_environment() if embedded else None, stdout=self.stdout, stderr=self.stderr,
+            env=env, stdout=self.stdout, stderr=self.stderr,
             start_new_session=True)
 
     def alive(self) -> bool:
@@ -373,6 +384,7 @@ class Launcher:
         self.state_dir = private_dir((options.state_dir or Path(tempfile.mkdtemp(prefix="triton-state-"))).resolve())
         self.key = resolve_key()
         write_private(self.state_dir / "control.key", self.key + "\n")
+        options.spend_database_url = options.spend_database_url or database_url(self.state_dir)  # spend.db here
         self.metrics = LauncherMetrics()
         self.stopping, self._stopped = threading.Event(), threading.Event()
         self.replicas: list[Replica] = []
@@ -384,19 +396,27 @@ class Launcher:
             # do better than the supervisor (readiness says when it cannot serve).
             live=lambda: bool(self.replicas) and not self.stopping.is_set(),
             not_ready=self.not_ready_reasons,
-            metrics=lambda: self.metrics.render([r.label for r in self.replicas if not r.retired]),
+            metrics=lambda: self.metrics.render([r.label for r in self.replicas if not r.retired])
+            + (self.openai.metrics_text() if self.openai else ""),
             retire=self.retire, key=self.key, label_replicas=options.replicas > 1)
         self.gate_port = free_ports(1)[0]  # the proxy's in-flight gate, kept across reconfigurations
+        self.openai: FrontendProcess | None = None  # the OpenAI-compatible frontend behind /v1/ (issue 23)
         try:
             public_models = public_models_file(options, self.state_dir)
             self.replicas = [Replica(i, options, self.key, self.metrics, self.log, stdout, stderr, public_models)
                              for i in range(options.replicas)]
             self.routed = tuple(range(options.replicas))
+            self.openai = FrontendProcess(options.model_repository,
+                                          [f"{LOOPBACK}:{r.internal.grpc}" for r in self.replicas], self.log,
+                                          stdout, stderr)
+            self.openai.start()
             self.proxy = ProxyProcess(self._proxy_config(self.routed), stdout=stdout, stderr=stderr)
         except Exception:
             for replica in self.replicas:
                 replica.process.kill()
                 replica.screen.kill()
+            if self.openai is not None and self.openai.alive():
+                self.openai.process.kill()
             self.status.close()
             raise
         first = self.replicas[0]
@@ -426,7 +446,8 @@ class Launcher:
             gate_port=self.gate_port,
             state_dir=self.state_dir / "proxy", max_body_bytes=self.options.max_body_bytes,
             max_json_bytes=self.options.max_json_bytes, max_inflight=self.options.max_inflight,
-            max_inflight_per_client=per_client_share(self.options), run_as=default_worker_user())
+            max_inflight_per_client=per_client_share(self.options), run_as=default_worker_user(),
+            openai_port=self.openai.port if self.openai else 0)
 
     # ------------------------------------------------------------------------- the first replica
     @property
@@ -559,6 +580,8 @@ class Launcher:
                 with self.metrics.lock:
                     self.metrics.proxy_restarts += 1
                 self.proxy.restart()
+            if not self.stopping.is_set() and self.openai is not None:
+                self.openai.ensure_running()
             for replica in [r for r in self.replicas if not r.retired]:
                 if not replica.screen_alive() and not self.stopping.is_set():
                     replica.restart_screen()
@@ -604,6 +627,8 @@ class Launcher:
         if self.supervisor.is_alive() and threading.current_thread() is not self.supervisor:
             self.supervisor.join(timeout=self.options.exit_timeout_secs + 60)
         self.proxy.stop(timeout_s=self.options.exit_timeout_secs)
+        if self.openai is not None:  # nothing new arrives: its requests in flight finish, then it exits
+            self.openai.stop(timeout_s=self.options.exit_timeout_secs)
         threads = [threading.Thread(target=r.stop, args=(timeout_s,)) for r in self.replicas if not r.retired]
         for thread in threads:
             thread.start()

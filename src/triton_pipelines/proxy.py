@@ -65,8 +65,9 @@ DEFAULT_MAX_INFLIGHT = 256
 _MODEL = r"/v2/models/[^/]{1,256}(/versions/[0-9]{1,19})?"
 CONTROL_HTTP_PATTERN = (r"^/v2/(repository|systemsharedmemory|cudasharedmemory|logging|trace)(/|$)"
                         r"|^/v2/models/[^/]+(/versions/[0-9]+)?/trace/")
-# gRPC methods that pass; every other GRPCInferenceService method is a control API (or streaming,
-# which our non-decoupled models do not need and whose body limit would apply to the whole stream).
+# gRPC methods that pass to Triton; ModelInfer and ModelStreamInfer (decoupled models: their body
+# limit applies to the whole stream) go through the screen; every other GRPCInferenceService method
+# is a control API.
 PUBLIC_GRPC_METHODS = ("ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata",
                        "ModelInfer", "ModelConfig", "ModelStatistics")
 GRPC_SERVICE = "inference.GRPCInferenceService"
@@ -129,6 +130,8 @@ class ProxyConfig:
     # Long enough for the slowest legal request (300 s of audio at saturation).
     upstream_timeout_s: int = 300
     run_as: str | None = None  # the worker user when nginx starts as root
+    # The OpenAI-compatible frontend (openai_server.py) that /v1/ goes to; 0: none (/v1 answers 503).
+    openai_port: int = 0
 
 
 def default_worker_user() -> str | None:
@@ -200,6 +203,19 @@ def messages(config: ProxyConfig) -> dict[str, str]:
     return texts
 
 
+# /v1 answers in OpenAI's error shape: key → (message key in MESSAGES, OpenAI type, code).
+OPENAI_ERRORS = {"too_large": ("too_large", "invalid_request_error", "request_too_large"),
+                 "client_overloaded": ("client_overloaded", "rate_limit_error", "rate_limit_exceeded"),
+                 "overloaded": ("overloaded", "rate_limit_error", "rate_limit_exceeded"),
+                 "unavailable": ("unavailable", "server_error", "service_unavailable")}
+
+
+def _openai_error(message: str, kind: str, code: str) -> str:
+    """An nginx string literal holding OpenAI's error shape."""
+    body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}})
+    return "'" + body.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
 def _servers(ports: tuple[int, ...]) -> str:
     # A replica that refuses a connection (restarting, retired) is skipped for the next one:
     # nginx retries only what it has not sent (POST is not idempotent).
@@ -227,6 +243,10 @@ def render_config(config: ProxyConfig, temp_dir: Path | None = None) -> str:
         "triton_grpc_servers": _servers(config.triton_grpc_ports),
         "screen_http_servers": _servers(config.screen_http_ports),
         "screen_grpc_servers": _servers(config.screen_grpc_ports),
+        **{f"openai_error_{key}": _openai_error(texts[message], kind, code)
+           for key, (message, kind, code) in OPENAI_ERRORS.items()},
+        "openai_servers": _servers((config.openai_port,)) if config.openai_port
+        else "        server 127.0.0.1:1 down;",
         "gate_port": config.gate_port,
         "status_port": config.status_port,
         "upstream_timeout_s": config.upstream_timeout_s,

@@ -213,7 +213,8 @@ def imported_modules(source: str) -> set[str]:
 
 # Where a server's Python starts: the launcher and its health check, and every Python model the gpu
 # target serves (the embedded target's ONNX Runtime runner, build/repo_builder/templates, is not one).
-SERVER_ENTRIES = ("triton_pipelines.launcher", "triton_pipelines.health")
+# The launcher and the processes it starts by module name (python -m), which an import does not reach.
+SERVER_ENTRIES = ("triton_pipelines.launcher", "triton_pipelines.health", "triton_pipelines.openai_server")
 # Provided by Triton's Python backend itself, not by pip.
 TRITON_MODULES = {"triton_python_backend_utils", "c_python_backend_utils"}
 

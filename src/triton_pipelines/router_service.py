@@ -14,6 +14,7 @@ routed request has one deadline (its task's ``deadline_s``).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import traceback
 from dataclasses import dataclass
@@ -21,15 +22,21 @@ from typing import Any, Awaitable, Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 
-from .errors import InputError, decode_utf8
+from .errors import InputError, decode_utf8, parse_refusal, refusal_text
 from .gateway import Completion, GatewayClient
+from .gateway_service import GatewayRefusal, GatewayService
 from .routing import RouteError, RoutedRequest, Router, json_bytes
 
 # Failure reasons that mean "not now" (HTTP 503 / UNAVAILABLE) rather than "bad request" (400) or
 # "our fault" (500).
 UNAVAILABLE_REASONS = frozenset({"not_loaded", "not_configured", "circuit_open", "timeout", "unreachable",
-                                 "upstream_status", "overloaded", "upstream_unavailable"})
-INPUT_REASONS = frozenset({"invalid_input", "upstream_invalid_input"})
+                                 "upstream_status", "overloaded", "upstream_unavailable", "ledger_unavailable",
+                                 "over_budget", "rate_limited"})
+INPUT_REASONS = frozenset({"invalid_input", "upstream_invalid_input", "context_window", "unauthenticated",
+                           "model_not_allowed"})
+# Refused by the key (401/403) or its limits (429): the message carries errors.refusal_text's
+# marker, which the request screen turns into that HTTP status / gRPC code.
+REFUSAL_REASONS = frozenset({"unauthenticated", "model_not_allowed", "over_budget", "rate_limited"})
 
 
 def error_kind(reason: str) -> str:
@@ -64,9 +71,12 @@ TritonCall = Callable[[str, Mapping[str, np.ndarray], Sequence[str]], Awaitable[
 
 class RouterService:
     def __init__(self, router: Router, gateway: GatewayClient, call_triton: TritonCall, recorder: Recorder,
-                 log_error: Callable[[str], None] = lambda message: None):
+                 log_error: Callable[[str], None] = lambda message: None,
+                 gateway_service: GatewayService | None = None):
         self.router = router
         self.gateway = gateway
+        # keys, budgets, the spend ledger and fallbacks around the gateway client
+        self.gateway_service = gateway_service or GatewayService(router.table, gateway)
         self.call_triton = call_triton
         self.recorder = recorder
         self.log_error = log_error
@@ -85,14 +95,15 @@ class RouterService:
 
     # ------------------------------------------------------------------------- one request
     async def handle(self, tasks: np.ndarray | None, payloads: np.ndarray | None, classes: np.ndarray | None,
-                     request_id: str | None) -> Answer:
-        """All rows of one request, concurrently; never raises."""
+                     request_id: str | None, key_id: str | None = None) -> Answer:
+        """All rows of one request, concurrently; never raises. ``key_id``: the API key's id the
+        request screen forwarded (``api_keys.KEY_ID_PARAMETER``), for gateway tasks."""
         try:
             rows = self._rows(tasks, payloads, classes)
         except InputError as error:
             self.recorder.request("unknown", "none", "invalid_input", None, None, None, 0.0)
             return Answer(reason="invalid_input", message=str(error))
-        answers = await asyncio.gather(*(self.route_row(task, payload, latency_class, request_id)
+        answers = await asyncio.gather(*(self.route_row(task, payload, latency_class, request_id, key_id)
                                          for task, payload, latency_class in rows))
         failed = [(reason, message) for reason, message in answers if reason]
         if failed:
@@ -101,8 +112,13 @@ class RouterService:
             # The request fails as a whole (one response): with the most client-actionable code.
             reason = min((r for r, _ in failed), key=lambda r: ("invalid_input", "unavailable",
                                                                  "internal").index(error_kind(r)))
-            return Answer(reason=reason, message="; ".join(f"row {i}: {message}"
-                                                          for i, (r, message) in enumerate(answers) if r))
+            refusals = [parse_refusal(message) for _, message in failed if parse_refusal(message)]
+            text = "; ".join(f"row {i}: {parse_refusal(message)[2] if parse_refusal(message) else message}"
+                             for i, (r, message) in enumerate(answers) if r)
+            if refusals:  # the first refusal's status for the whole request
+                reason = next(r for r, message in failed if parse_refusal(message))
+                text = refusal_text(refusals[0][0], text, refusals[0][1])
+            return Answer(reason=reason, message=text)
         return Answer(result=np.array([[message] for _, message in answers], dtype=np.object_))
 
     def _rows(self, tasks, payloads, classes) -> list[tuple[Any, Any, Any]]:
@@ -118,13 +134,17 @@ class RouterService:
                 for i in range(len(tasks))]
 
     # ------------------------------------------------------------------------- one row
-    async def route_row(self, task: Any, payload: Any, latency_class: Any, key: str | None) -> tuple[str, Any]:
+    async def route_row(self, task: Any, payload: Any, latency_class: Any, key: str | None,
+                        key_id: str | None = None) -> tuple[str, Any]:
         """(\"\", result JSON bytes) or (failure reason, message). Records metrics; never raises."""
         routed = None
         started = time.monotonic()
         try:
             routed = self.router.prepare(task, payload, latency_class, key)
-            result, completion, cost = await self._serve(routed)
+            result, completion, cost, routed = await self._serve(routed, key_id)
+        except GatewayRefusal as refusal:
+            self.recorder.request(routed.task, routed.route, refusal.reason, None, routed, None, 0.0)
+            return refusal.reason, refusal.marked()
         except InputError as error:
             self.recorder.request(self._task_label(task), self._route_label(task), "invalid_input", None,
                                   None, None, 0.0)
@@ -145,8 +165,11 @@ class RouterService:
         self._note_circuit(routed)
         return "", json_bytes(result)
 
-    async def _serve(self, routed: RoutedRequest) -> tuple[dict, Completion | None, float]:
+    async def _serve(self, routed: RoutedRequest, key_id: str | None = None
+                     ) -> tuple[dict, Completion | None, float, RoutedRequest]:
+        """(result, completion, cost, the request as served: a fallback names the model that answered)."""
         kind = routed.route
+        api_key = self.gateway_service.key_by_id(key_id) if kind == "gateway" else None
         if self.in_flight[kind] >= self.limits[kind]:
             raise RouteError("overloaded", f"the router has {self.in_flight[kind]} {kind} requests in flight "
                                            f"(its limit): retry later")
@@ -155,14 +178,19 @@ class RouterService:
             deadline = self.router.table.deadline_s(routed.task)
             if kind == "triton":
                 try:
-                    return await asyncio.wait_for(self._serve_triton(routed), deadline), None, 0.0
+                    return await asyncio.wait_for(self._serve_triton(routed), deadline), None, 0.0, routed
                 except asyncio.TimeoutError:
                     raise RouteError("timeout", f"no answer from {routed.target} within the task's deadline "
                                                 f"of {deadline:g} s") from None
-            completion = await self.gateway.complete(routed, deadline)
-            result = self.router.gateway_result(routed, completion.text, completion.input_tokens,
-                                                completion.output_tokens)
-            return result, completion, result["usage"]["cost_usd"]
+            answer = await self.gateway_service.acomplete(
+                api_key, task=routed.task, model=routed.target, messages=routed.messages, max_tokens=routed.max_tokens,
+                temperature=routed.temperature, deadline_s=deadline)
+            served = dataclasses.replace(routed, target=answer.model, model=answer.model)
+            result = self.router.gateway_result(served, answer.text, answer.input_tokens, answer.output_tokens)
+            if answer.fallback_from:
+                result["fallback"] = {"from": answer.fallback_from, "reason": answer.fallback_reason}
+            completion = Completion(answer.text, answer.input_tokens, answer.output_tokens, len(answer.attempts))
+            return result, completion, result["usage"]["cost_usd"], served
         finally:
             self.in_flight[kind] -= 1
 

@@ -71,6 +71,17 @@ class TaskRoute:
     default_model: str = ""
     # The whole request's deadline, retries and backoff included (None: the route kind's default).
     deadline_s: float | None = None
+    # gateway: the models tried, in order, when the chosen one fails (429, 5xx, time-out, open
+    # circuit); empty: the chosen model's own list (``gateway_models.<model>.fallbacks``).
+    fallbacks: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class GatewayModel:
+    """``gateway_models.<name>`` in the route file."""
+    name: str
+    context_window: int  # tokens (prompt + completion) the model takes
+    fallbacks: tuple[str, ...]  # models tried, in order, when this one fails
 
 
 @dataclass(frozen=True)
@@ -85,6 +96,12 @@ class GatewaySettings:
     default_max_tokens: int = 512
     max_tokens_limit: int = 8192
     max_in_flight: int = 64  # gateway calls at once; more are refused at once (UNAVAILABLE)
+    # A reservation not settled this long after its request's deadline is abandoned in the spend
+    # ledger (charged at its reserved cost): spend_ledger.py.
+    reservation_margin_s: float = 60.0
+    # What the spend ledger reserves per image part before the call (the prompt's text is counted
+    # in UTF-8 bytes, an upper bound of its tokens).
+    image_tokens_estimate: int = 2500
 
 
 @dataclass(frozen=True)
@@ -112,6 +129,7 @@ class RouteTable:
     # default deadline.
     max_in_flight_triton: int = 256
     triton_deadline_s: float = 120.0
+    gateway_models: Mapping[str, GatewayModel] = field(default_factory=dict)
 
     @classmethod
     def load(cls, path: Path | str) -> "RouteTable":
@@ -145,25 +163,77 @@ class RouteTable:
             elif route == "gateway":
                 models = tuple(str(m) for m in spec.get("models") or ())
                 entry = TaskRoute(task, route, models=models, default_model=str(spec.get("default_model") or models[0]),
-                                  deadline_s=_deadline(spec, task, source))
+                                  deadline_s=_deadline(spec, task, source),
+                                  fallbacks=tuple(str(m) for m in spec.get("fallbacks") or ()))
                 unpriced = [m for m in models if m not in prices]
                 if not models or unpriced or entry.default_model not in models:
                     raise ValueError(f"{source}: task {task}: models {list(models)} need prices "
                                      f"(missing {unpriced}) and default_model among them")
+                outside = [m for m in entry.fallbacks if m not in models]
+                if outside:
+                    raise ValueError(f"{source}: task {task}: fallbacks {outside} are not among its models "
+                                     f"{list(models)}")
             else:
                 raise ValueError(f"{source}: task {task}: route must be 'triton' or 'gateway', not {route!r}")
             tasks[str(task)] = entry
         gateway = GatewaySettings(**(document.get("gateway") or {}))
+        gateway_models = _gateway_models(document.get("gateway_models") or {}, prices, source)
         limits = document.get("limits") or {}
         # the route file's limits override the defaults above (the fields' own)
-        return cls(tasks, prices, gateway, canaries,
+        return cls(tasks, prices, gateway, canaries, gateway_models=gateway_models,
                    **{name: kind(limits[name]) for name, kind in LIMIT_TYPES.items() if name in limits})
+
+    def fallback_chain(self, task: str | None, model: str) -> list[str]:
+        """The models to try for a request, in order: ``model``, then the task's ``fallbacks``
+        (if it has its own list), else the model's; for a task, only among the task's models."""
+        route = self.tasks.get(task) if task else None
+        listed = route.fallbacks if route is not None and route.fallbacks else (
+            self.gateway_models[model].fallbacks if model in self.gateway_models else ())
+        chain = [model]
+        for name in listed:
+            if name not in chain and (route is None or name in route.models):
+                chain.append(name)
+        return chain
+
+    def context_window(self, model: str) -> int | None:
+        entry = self.gateway_models.get(model)
+        return entry.context_window if entry else None
+
+    def larger_window(self, task: str | None, model: str, candidates: list[str]) -> str | None:
+        """For a context-window error of ``model``: the first of ``candidates`` (the rest of its
+        fallback chain) with a larger window, else the task's (or any) model with the smallest
+        larger window; None if there is none."""
+        window = self.context_window(model) or 0
+        for name in candidates:
+            if (self.context_window(name) or 0) > window:
+                return name
+        route = self.tasks.get(task) if task else None
+        pool = route.models if route is not None else tuple(self.gateway_models)
+        larger = sorted((self.context_window(m) or 0, m) for m in pool if (self.context_window(m) or 0) > window)
+        return larger[0][1] if larger else None
 
     def deadline_s(self, task: str) -> float:
         route = self.tasks[task]
         if route.deadline_s is not None:
             return route.deadline_s
         return self.gateway.deadline_s if route.route == "gateway" else self.triton_deadline_s
+
+
+def _gateway_models(section: Mapping[str, Any], prices: Mapping[str, Price], source: str) -> dict[str, GatewayModel]:
+    models = {}
+    for name, spec in section.items():
+        name = str(name)
+        if name not in prices:
+            raise ValueError(f"{source}: gateway_models.{name} has no price under prices")
+        window = (spec or {}).get("context_window")
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"{source}: gateway_models.{name}.context_window must be a whole number of tokens")
+        fallbacks = tuple(str(m) for m in (spec or {}).get("fallbacks") or ())
+        unknown = [m for m in fallbacks if m not in prices or m == name]
+        if unknown:
+            raise ValueError(f"{source}: gateway_models.{name}.fallbacks {unknown} must be other priced models")
+        models[name] = GatewayModel(name, window, fallbacks)
+    return models
 
 
 def _deadline(spec: Mapping[str, Any], task: str, source: str) -> float | None:
@@ -261,6 +331,28 @@ def cost_usd(price: Price, input_tokens: int, output_tokens: int) -> float:
     cost = (Decimal(input_tokens) * price.input_per_million
             + Decimal(output_tokens) * price.output_per_million) / Decimal(1_000_000)
     return float(cost)
+
+
+def estimate_prompt_tokens(messages: list[dict], image_tokens: int = 2500) -> int:
+    """An upper bound of a chat prompt's tokens, for the spend ledger's reservation: every text's
+    UTF-8 bytes (no tokenizer makes more tokens than bytes), ``image_tokens`` per image part, and
+    8 per message for the role and framing."""
+    total = 16
+    for message in messages:
+        total += 8
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            total += len(content.encode("utf-8", "replace"))
+        elif isinstance(content, list):
+            for part in content:
+                if isinstance(part, dict) and part.get("type") == "text":
+                    total += len(str(part.get("text", "")).encode("utf-8", "replace"))
+                else:
+                    total += image_tokens
+        for key in ("name", "tool_call_id"):
+            if isinstance(message, dict) and isinstance(message.get(key), str):
+                total += len(message[key].encode("utf-8", "replace"))
+    return total
 
 
 def choose_model(route: TaskRoute, prices: Mapping[str, Price], tier: str | None) -> str:

@@ -28,6 +28,8 @@ import re
 from dataclasses import dataclass
 from typing import Iterable
 
+from .api_keys import KEY_ID_PARAMETER
+
 # How deep the screen's JSON parser (CPython's, in C) nests before it stops with RecursionError:
 # the interpreter's recursion limit, 1,000 by default; far deeper than any KServe v2 request needs
 # (a tensor of rank r nests r + 3 deep), far below the ~104,000 at which Triton 2.51's parser
@@ -110,6 +112,15 @@ def check_input_parameter_names(input_name: str, names: Iterable[str]) -> None:
             raise ScreenError(f"input '{echo(input_name)}': shared memory is not available on the public port")
         if name not in ALLOWED_INPUT_PARAMETERS:
             raise ScreenError(f"input '{echo(input_name)}': unknown parameter '{echo(name)}'")
+
+
+def check_request_parameter_names(names: Iterable[str]) -> None:
+    """A request's own parameters may not carry the API key id the screen forwards (the router
+    would take it for the caller's key)."""
+    for name in names:
+        if str(name).lower() == KEY_ID_PARAMETER:
+            raise ScreenError(f"the request parameter '{KEY_ID_PARAMETER}' is reserved: send the key as "
+                              f"`Authorization: Bearer <key>`")
 
 
 # ------------------------------------------------------------------------------------------ HTTP
@@ -197,7 +208,7 @@ def check_http_request(policy: ScreenPolicy, model: str, version: str, header_by
             raise ScreenError("each entry of 'outputs' must be a JSON object with a 'name'")
         check_output_parameters(tensor["name"], _object(tensor.get("parameters"),
                                                         f"the parameters of output '{echo(tensor['name'])}'"))
-    _object(header.get("parameters"), "the request's 'parameters'")
+    check_request_parameter_names(_object(header.get("parameters"), "the request's 'parameters'"))
 
 
 # ------------------------------------------------------------------------------------------ gRPC
@@ -280,7 +291,8 @@ def _int64s(value, wire: int) -> list[int]:
 
 
 # ModelInferRequest / InferInputTensor / InferRequestedOutputTensor field numbers (grpc_service.proto).
-REQUEST_MODEL_NAME, REQUEST_MODEL_VERSION, REQUEST_INPUTS, REQUEST_OUTPUTS, REQUEST_RAW = 1, 2, 5, 6, 7
+REQUEST_MODEL_NAME, REQUEST_MODEL_VERSION, REQUEST_PARAMETERS, REQUEST_INPUTS, REQUEST_OUTPUTS, REQUEST_RAW = (
+    1, 2, 4, 5, 6, 7)
 INPUT_NAME, INPUT_SHAPE, INPUT_PARAMETERS = 1, 3, 4
 OUTPUT_NAME, OUTPUT_PARAMETERS = 1, 2
 
@@ -289,10 +301,12 @@ def check_grpc_request(policy: ScreenPolicy, message: bytes | memoryview) -> str
     """A serialized ``ModelInferRequest``; returns the model name."""
     data = memoryview(message)
     model = version = ""
-    inputs, outputs = [], []
+    inputs, outputs, parameters = [], [], []
     for number, _, value in fields(data):
         if number == REQUEST_MODEL_NAME:
             model = _text(value, "model_name")
+        elif number == REQUEST_PARAMETERS:
+            parameters.append(value)
         elif number == REQUEST_MODEL_VERSION:
             version = _text(value, "model_version")
         elif number == REQUEST_INPUTS:
@@ -300,6 +314,7 @@ def check_grpc_request(policy: ScreenPolicy, message: bytes | memoryview) -> str
         elif number == REQUEST_OUTPUTS:
             outputs.append(value)
     policy.check_model(model, version)
+    check_request_parameter_names(_map_keys(parameters, "the request's parameters"))
     if not inputs:
         raise ScreenError("the request has no inputs")
     for tensor in inputs:

@@ -24,22 +24,30 @@ import sys
 from pathlib import Path
 from urllib.parse import unquote
 
+from .api_keys import KEY_ID_PARAMETER, KeyRing, bearer_secret, keys_from_environment
+from .errors import REFUSAL_STATUSES, parse_refusal
 from .screen import ScreenError, ScreenPolicy, check_grpc_request, check_http_request, restarting_model_message
 
 GRPC_INFER_METHOD = "/inference.GRPCInferenceService/ModelInfer"
+# Streaming inference (decoupled models: speech_recognition_stream): every request message of the
+# stream is screened like a ModelInfer request before it is forwarded.
+GRPC_STREAM_METHOD = "/inference.GRPCInferenceService/ModelStreamInfer"
 _INFER_PATH = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]*))?/infer$")
 _HOP_HEADERS = {b"connection", b"keep-alive", b"transfer-encoding", b"te", b"upgrade", b"proxy-connection"}
 # The only request headers Triton's inference endpoint reads; no other client header reaches it.
 _FORWARDED_HEADERS = {b"host", b"content-type", b"inference-header-content-length", b"accept-encoding"}
 UPSTREAM_TIMEOUT_S = 300.0
 IDLE_UPSTREAM_CONNECTIONS = 64
+# The model whose requests carry an API key (gateway tasks: budgets, limits, the spend ledger).
+KEYED_MODEL = "router"
 _TRANSPORT_FAILURE = re.compile(r"failed to connect|connection refused|socket closed|connection reset|"
                                 r"Broken pipe|endpoint is closed", re.IGNORECASE)
 
 
 def http_response(status: int, body: bytes, extra: list[tuple[bytes, bytes]] = ()) -> bytes:
-    reason = {200: b"OK", 400: b"Bad Request", 404: b"Not Found", 411: b"Length Required",
-              502: b"Bad Gateway", 503: b"Service Unavailable"}.get(status, b"Error")
+    reason = {200: b"OK", 400: b"Bad Request", 401: b"Unauthorized", 403: b"Forbidden", 404: b"Not Found",
+              411: b"Length Required", 429: b"Too Many Requests", 502: b"Bad Gateway",
+              503: b"Service Unavailable"}.get(status, b"Error")
     head = [b"HTTP/1.1 %d %s" % (status, reason), b"Content-Type: application/json",
             b"Content-Length: %d" % len(body)] + [name + b": " + value for name, value in extra]
     return b"\r\n".join(head) + b"\r\n\r\n" + body
@@ -47,6 +55,37 @@ def http_response(status: int, body: bytes, extra: list[tuple[bytes, bytes]] = (
 
 def error_body(message: str) -> bytes:
     return json.dumps({"error": message}).encode()
+
+
+def key_id_for(keys: KeyRing | None, authorization: str | None) -> str | None:
+    """The id of the key in ``Authorization: Bearer <key>``; None without a key (the router then
+    refuses gateway tasks when a keys file is configured). ScreenError 401 for an unknown key.
+    Without a keys file, requests are open and a bearer is ignored."""
+    if keys is None:
+        return None
+    secret = bearer_secret(authorization)
+    if secret is None:
+        return None
+    key = keys.lookup(secret)
+    if key is None:
+        raise ScreenError("the API key is not known to this server", 401, "UNAUTHENTICATED")
+    return key.key_id
+
+
+def refused_answer(status: int, body: bytes) -> bytes | None:
+    """A router refusal (errors.refusal_text's marker in Triton's error) as its own status, with
+    Retry-After; None for any other answer."""
+    if status not in (400, 503) or b"[refused " not in body[:64]:
+        return None
+    try:
+        found = parse_refusal(json.loads(body).get("error", ""))
+    except ValueError:
+        return None
+    if found is None:
+        return None
+    refused, retry_after, message = found
+    return http_response(refused, error_body(message),
+                         [(b"Retry-After", str(retry_after).encode())] if retry_after is not None else [])
 
 
 TRITON_GONE = http_response(503, error_body("the inference server is starting or restarting: retry shortly"),
@@ -115,10 +154,11 @@ async def read_body(reader: asyncio.StreamReader, headers) -> bytes:
 
 
 class HttpScreen:
-    def __init__(self, policy: ScreenPolicy, upstream: Upstream):
-        self.policy, self.upstream = policy, upstream
+    def __init__(self, policy: ScreenPolicy, upstream: Upstream, keys: KeyRing | None = None):
+        self.policy, self.upstream, self.keys = policy, upstream, keys
 
-    def check(self, target: bytes, headers, body: bytes) -> None:
+    def check(self, target: bytes, headers, body: bytes) -> str:
+        """Refuses (ScreenError) or returns the model's name."""
         path = unquote(target.split(b"?", 1)[0].decode("latin-1"))
         found = _INFER_PATH.match(path)
         if found is None:
@@ -128,6 +168,7 @@ class HttpScreen:
         if size > len(body):
             raise ScreenError(f"Inference-Header-Content-Length ({size}) is longer than the body ({len(body)} bytes)")
         check_http_request(self.policy, found.group(1), found.group(2) or "", body[:size], len(body) - size)
+        return found.group(1)
 
     async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -141,20 +182,27 @@ class HttpScreen:
                     break
                 body = await reader.readexactly(int(header(headers, b"content-length") or 0))
                 try:
-                    self.check(request_line.split(b" ")[1], headers, body)
+                    model = self.check(request_line.split(b" ")[1], headers, body)
+                    extra = []
+                    if model == KEYED_MODEL:
+                        authorization = header(headers, b"authorization")
+                        key_id = key_id_for(self.keys, authorization.decode("latin-1") if authorization else None)
+                        if key_id:
+                            extra.append((KEY_ID_PARAMETER.encode(), key_id.encode()))
                 except ScreenError as error:
                     writer.write(http_response(error.status, error_body(str(error))))
                     await writer.drain()
                     continue
-                writer.write(await self.forward(request_line, headers, body))
+                writer.write(await self.forward(request_line, headers, body, extra))
                 await writer.drain()
         except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError, IndexError):
             pass
         finally:
             writer.close()
 
-    async def forward(self, request_line: bytes, headers, body: bytes) -> bytes:
+    async def forward(self, request_line: bytes, headers, body: bytes, extra=()) -> bytes:
         head = [request_line] + [name + b": " + value for name, value in headers if name in _FORWARDED_HEADERS]
+        head += [name + b": " + value for name, value in extra]
         head.append(b"Content-Length: %d" % len(body))
         message = b"\r\n".join(head) + b"\r\n\r\n"
         for attempt in (0, 1):
@@ -185,6 +233,9 @@ class HttpScreen:
             keep = (header(response_headers, b"connection") or b"").lower() != b"close"
             self.upstream.release(reader, writer, keep)
             status = int(status_line.split(b" ")[1])
+            refused = refused_answer(status, response_body)
+            if refused is not None:
+                return refused
             if status == 500:
                 restarting = restarting_model_message(response_body.decode("utf-8", "replace"))
                 if restarting:
@@ -200,16 +251,20 @@ class GrpcScreen:
     """ModelInfer only, as raw bytes both ways: checked, then forwarded with the caller's metadata
     and deadline; the caller's cancellation cancels the forwarded call."""
 
-    _DROP = {"user-agent", "grpc-accept-encoding", "grpc-encoding", "te", "content-type"}
+    # authorization: the key's secret never reaches Triton (its id does, for the router)
+    _DROP = {"user-agent", "grpc-accept-encoding", "grpc-encoding", "te", "content-type", "authorization",
+             KEY_ID_PARAMETER}
 
-    def __init__(self, policy: ScreenPolicy, triton_grpc: str):
+    def __init__(self, policy: ScreenPolicy, triton_grpc: str, keys: KeyRing | None = None):
         import grpc
 
         self.grpc = grpc
         self.policy = policy
+        self.keys = keys
         self.channel = grpc.aio.insecure_channel(triton_grpc, options=[
             ("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)])
         self.call = self.channel.unary_unary(GRPC_INFER_METHOD)
+        self.stream_call = self.channel.stream_stream(GRPC_STREAM_METHOD)
 
     def handler(self):
         grpc = self.grpc
@@ -219,21 +274,36 @@ class GrpcScreen:
             def service(self, details):
                 if details.method == GRPC_INFER_METHOD:
                     return grpc.unary_unary_rpc_method_handler(screen.infer)
+                if details.method == GRPC_STREAM_METHOD:
+                    return grpc.stream_stream_rpc_method_handler(screen.stream)
                 return None
         return Handler()
 
     async def infer(self, request: bytes, context) -> bytes:
         grpc = self.grpc
+        received = context.invocation_metadata() or ()
         try:
-            check_grpc_request(self.policy, request)
+            model = check_grpc_request(self.policy, request)
+            key_id = None
+            if model == KEYED_MODEL:
+                authorization = next((v for k, v in received if k == "authorization"), None)
+                key_id = key_id_for(self.keys, authorization if isinstance(authorization, str) else None)
         except ScreenError as error:
             await context.abort(getattr(grpc.StatusCode, error.grpc_code), str(error))
-        metadata = tuple((k, v) for k, v in context.invocation_metadata() if k not in self._DROP)
+        metadata = tuple((k, v) for k, v in received if k not in self._DROP)
+        if key_id:
+            metadata += ((KEY_ID_PARAMETER, key_id),)
         try:
             return await self.call(request, timeout=context.time_remaining(), metadata=metadata)
         except grpc.aio.AioRpcError as error:
             code, details = error.code(), error.details() or ""
             restarting = restarting_model_message(details) if code == grpc.StatusCode.INTERNAL else None
+            refused = parse_refusal(details) if code in (grpc.StatusCode.UNAVAILABLE,
+                                                         grpc.StatusCode.INVALID_ARGUMENT) else None
+            if refused is not None:
+                status, retry_after, message = refused
+                trailing = (("retry-after", str(retry_after)),) if retry_after is not None else ()
+                await context.abort(getattr(grpc.StatusCode, REFUSAL_STATUSES[status]), message, trailing)
             if restarting:
                 code, details = grpc.StatusCode.UNAVAILABLE, restarting
             elif code == grpc.StatusCode.UNAVAILABLE and _TRANSPORT_FAILURE.search(details):
@@ -241,6 +311,46 @@ class GrpcScreen:
                 # model's own UNAVAILABLE (e.g. the router's "gateway not configured") passes as is.
                 details = "the inference server is starting or restarting: retry shortly"
             await context.abort(code, details)
+
+
+    async def stream(self, requests, context):
+        """ModelStreamInfer: each request message checked, then written to Triton's stream; Triton's
+        responses come back as they are. A refused message ends the stream with its error (and
+        cancels what was forwarded); the caller's cancellation cancels the forwarded stream."""
+        grpc = self.grpc
+        metadata = tuple((k, v) for k, v in context.invocation_metadata() if k not in self._DROP)
+        call = self.stream_call(timeout=context.time_remaining(), metadata=metadata)
+        refused: list[ScreenError] = []
+
+        async def forward():
+            try:
+                async for request in requests:
+                    try:
+                        check_grpc_request(self.policy, request)
+                    except ScreenError as error:
+                        refused.append(error)
+                        call.cancel()
+                        return
+                    await call.write(request)
+                await call.done_writing()
+            except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                pass  # the upstream call ended; its status is read below
+
+        pump = asyncio.ensure_future(forward())
+        try:
+            async for response in call:
+                yield response
+        except asyncio.CancelledError:
+            if not refused:
+                raise
+        except grpc.aio.AioRpcError as error:
+            if not refused:
+                await context.abort(error.code(), error.details() or "")
+        finally:
+            pump.cancel()
+            call.cancel()
+        if refused:
+            await context.abort(getattr(grpc.StatusCode, refused[0].grpc_code), str(refused[0]))
 
 
 def load_public_models(path: Path | None) -> frozenset[str] | None:
@@ -254,9 +364,10 @@ async def run(args: argparse.Namespace) -> None:
     import grpc
 
     policy = ScreenPolicy(max_body_bytes=args.max_body_bytes, public_models=load_public_models(args.public_models_file))
-    http = HttpScreen(policy, Upstream(args.triton_http))
+    keys = keys_from_environment()  # $TRITON_API_KEYS_FILE: None serves the router open
+    http = HttpScreen(policy, Upstream(args.triton_http), keys)
     http_server = await asyncio.start_server(http.serve, "127.0.0.1", args.http_port, limit=2**20, backlog=4096)
-    grpc_screen = GrpcScreen(policy, args.triton_grpc)
+    grpc_screen = GrpcScreen(policy, args.triton_grpc, keys)
     grpc_server = grpc.aio.server(options=[
         # nginx bounds a message (client_max_body_size) with its own clear message; a limit here
         # would answer first, from the message's length prefix, in gRPC's words.

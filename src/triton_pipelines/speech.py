@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import base64
 import io
+import json
+import time
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -26,7 +28,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from .errors import InputError, UpstreamError, decode_utf8
+from .errors import InputError, UpstreamError, as_bytes, decode_utf8
 from .onnx_runner import NOT_CACHED, onnx_session
 
 SAMPLE_RATE = 16000
@@ -73,11 +75,14 @@ DEFAULT_MAX_NEW_TOKENS = 224
 
 # The parameters the builder writes into the Python models' config.pbtxt (the sources name none of
 # them): these constants are the one place each value lives (docs/design.md, "Change a limit").
+_AUDIO_LIMITS = {"max_audio_seconds": MAX_AUDIO_SECONDS, "max_audio_bytes": MAX_AUDIO_BYTES,
+                 "max_decoded_samples": MAX_DECODED_SAMPLES, "min_sample_rate": MIN_SAMPLE_RATE}
+_DECODE_DEFAULTS = {"default_language": DEFAULT_LANGUAGE, "default_task": DEFAULT_TASK,
+                    "max_new_tokens": DEFAULT_MAX_NEW_TOKENS}
 CONFIG_PARAMETERS = {
-    "audio_features": {"max_audio_seconds": MAX_AUDIO_SECONDS, "max_audio_bytes": MAX_AUDIO_BYTES,
-                       "max_decoded_samples": MAX_DECODED_SAMPLES, "min_sample_rate": MIN_SAMPLE_RATE},
-    "whisper_decode": {"default_language": DEFAULT_LANGUAGE, "default_task": DEFAULT_TASK,
-                       "max_new_tokens": DEFAULT_MAX_NEW_TOKENS},
+    "audio_features": _AUDIO_LIMITS,
+    "whisper_decode": _DECODE_DEFAULTS,
+    "speech_recognition_stream": {**_DECODE_DEFAULTS, **_AUDIO_LIMITS},  # both steps in one model
 }
 
 
@@ -216,6 +221,18 @@ def audio_to_features(data: bytes, filters: np.ndarray, index: int = 0, **limits
     """Encoded audio → ``[windows, n_mels, 3000]`` float32 (silent windows left out)."""
     audio = decode_audio(data, index=index, **limits)
     return np.stack([log_mel_spectrogram(w, filters) for w in sounding_windows(audio)])
+
+
+def audio_to_timed_features(data: bytes, filters: np.ndarray, index: int = 0,
+                            **limits) -> tuple[np.ndarray, list[tuple[float, float]]]:
+    """``audio_to_features`` and each kept window's span in the audio, in seconds (start, end): the
+    segments of a timed transcript (``speech_recognition_stream``)."""
+    audio = decode_audio(data, index=index, **limits)
+    cuts = window_cuts(audio) + [len(audio)]
+    spans = [(a, b) for a, b in zip(cuts[:-1], cuts[1:])]
+    kept = [(a, b) for a, b in spans if not is_silent(audio[a:b])] or spans[:1]
+    features = np.stack([log_mel_spectrogram(audio[a:b], filters) for a, b in kept])
+    return features, [(a / SAMPLE_RATE, b / SAMPLE_RATE) for a, b in kept]
 
 
 def pad_windows(features: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
@@ -363,6 +380,15 @@ class GreedyBatch:
     def done(self) -> bool:
         return bool(self._finished.all())
 
+    @property
+    def finished(self) -> np.ndarray:
+        """Per window: finished (``<|endoftext|>`` or its bound)."""
+        return self._finished
+
+    def stop(self, windows) -> None:
+        """Finish these windows now (their client has gone): they leave the batch at the next step."""
+        self._finished[list(windows)] = True
+
     def advance(self, logits: np.ndarray) -> np.ndarray | None:
         mask = self.begin_mask if self.steps == 0 and self.begin_mask is not None else self.mask
         chosen = np.argmax(logits + mask, axis=-1).astype(np.int64)
@@ -426,10 +452,12 @@ class GreedyDecoder:
         self.cache_key = cache_key
 
     def decode(self, prompts: np.ndarray, max_new_tokens: int | np.ndarray, cross: Mapping[str, Any],
-               heads: int, head_dim: int, compact: bool = True) -> list[list[int]]:
+               heads: int, head_dim: int, compact: bool = True,
+               on_step: Callable[["GreedyBatch"], None] | None = None) -> list[list[int]]:
         """``prompts [N, 4]`` and the encoder's cross K/V of those N windows → generated ids per
         window. ``compact=False``: finished windows stay in the batch (``GreedyBatch``), for cross
-        K/V whose rows cannot be gathered here (on a GPU)."""
+        K/V whose rows cannot be gathered here (on a GPU). ``on_step(state)``: after every step
+        (``state.tokens`` so far, ``state.finished``), e.g. to stream partial transcripts."""
         state = GreedyBatch(prompts, self.eot, max_new_tokens, self.mask, compact=compact, begin_mask=self.begin_mask)
         # Zero-length self-attention cache on the first step: [rows, 2 * layers, heads, 0, head_dim].
         past = np.zeros((len(prompts), len(cross), heads, 0, head_dim), np.float32)
@@ -444,6 +472,8 @@ class GreedyDecoder:
                     raise
                 logits, present = self.step(state.next_ids, past, self.gather(cross, state.active), parameters)
             rows = state.advance(logits)
+            if on_step is not None:
+                on_step(state)
             past = present if rows is None else present[rows]
             if self.cache_key is not None:
                 sent = {}
@@ -611,3 +641,153 @@ class WhisperOnnx:
         logits, present = self.decoder.run(["logits", "present_self_kv"],
                                            {"input_ids": input_ids, "past_self_kv": past, **cross})
         return logits, present
+
+
+# ---------------------------------------------------------------------------------------------
+# Streaming partial transcripts (speech_recognition_stream)
+
+
+def stable_prefix(window_texts: Sequence[str], finished: Sequence[bool]) -> str:
+    """The part of a transcript that can be streamed while windows are still decoding: the windows
+    in order up to and including the first unfinished one (a later window's text would come out of
+    order). Texts are stripped and joined by one space, as the final transcript is; a trailing
+    partial character (U+FFFD of an incomplete UTF-8 token) is held back."""
+    parts = []
+    for text, done in zip(window_texts, finished):
+        text = text.strip()
+        if not done:
+            text = text.rstrip("\ufffd").rstrip()
+        if text:
+            parts.append(text)
+        if not done:
+            break
+    return " ".join(parts)
+
+
+def text_delta(sent: str, now: str) -> str:
+    """What to send after ``sent`` to reach ``now``: the new suffix, or "" when ``now`` does not
+    extend ``sent`` (it will when the window finishes; the final text is sent whole anyway)."""
+    return now[len(sent):] if now.startswith(sent) and len(now) > len(sent) else ""
+
+
+# How often a streamed request's cancellation is asked for while it decodes (a decoder step of
+# Whisper base takes ~20-60 ms on a CPU, a few ms on a GPU).
+CANCEL_CHECK_S = 0.1
+
+
+@dataclass
+class StreamJob:
+    """One ``speech_recognition_stream`` request: its windows, their spans in the audio, prompts and
+    token bound, and whether it wants partial transcripts."""
+
+    features: np.ndarray  # [windows, n_mels, 3000]
+    spans: list[tuple[float, float]]
+    prompt: list[int]
+    max_new_tokens: int
+    partials: bool = True
+
+
+def stream_outputs(transcript: str, delta: str, final: bool, segments: str = "[]") -> dict[str, np.ndarray]:
+    """One response of ``speech_recognition_stream`` (a batch of one item)."""
+    return {"transcript": np.array([[transcript.encode()]], dtype=np.object_),
+            "delta": np.array([[delta.encode()]], dtype=np.object_),
+            "is_final": np.array([[final]], dtype=bool),
+            "segments": np.array([[segments.encode()]], dtype=np.object_)}
+
+
+class StreamDecode:
+    """The windows of every request of one ``execute`` decoded together (as ``whisper_decode``
+    does: one encoder pass per group, one decoder step per group for every running window), with a
+    partial transcript sent to a request whenever its stable prefix (``stable_prefix``) grows, and
+    one final response with the transcript and its segments (one per window, with its times).
+
+    ``send(index, outputs, final)`` answers request ``index``; ``cancelled(index)`` says whether its
+    client has gone: its windows then stop decoding (they leave the batch at the next step) and it
+    gets no more responses except the final, empty one that closes it."""
+
+    def __init__(self, tokenizer: WhisperTokenizer, jobs: Sequence[StreamJob | None], group_size: int,
+                 decode_group: Callable[..., list[list[int]]], send: Callable[[int, dict, bool], None],
+                 cancelled: Callable[[int], bool] = lambda index: False):
+        self.tokenizer = tokenizer
+        self.jobs = jobs
+        self.group_size = group_size
+        self.decode_group = decode_group
+        self.send = send
+        self.cancelled = cancelled
+        self.ranges: dict[int, tuple[int, int]] = {}
+        start = 0
+        for index, job in enumerate(jobs):
+            if job is not None:
+                self.ranges[index] = (start, start + len(job.features))
+                start += len(job.features)
+        self.tokens: list[list[int]] = [[] for _ in range(start)]
+        self.finished = np.zeros(start, dtype=bool)
+        self.sent = {index: "" for index in self.ranges}
+        self.gone: set[int] = set()
+        self.checked: dict[int, float] = {}
+
+    def run(self) -> None:
+        live = [(i, self.jobs[i]) for i in self.ranges]
+        if not live:
+            return
+        features = np.concatenate([job.features for _, job in live])
+        prompts = np.array([job.prompt for _, job in live for _ in job.features], dtype=np.int64)
+        bounds = np.array([job.max_new_tokens for _, job in live for _ in job.features], dtype=np.int64)
+        for start in range(0, len(features), self.group_size):
+            stop = min(start + self.group_size, len(features))
+            if all(i in self.gone or self._cancelled(i) for i, (a, b) in self.ranges.items() if a < stop and b > start):
+                continue  # every request of this group has gone
+            tokens = self.decode_group(features[start:stop], prompts[start:stop], bounds[start:stop],
+                                       lambda state, offset=start: self._step(offset, state))
+            self.tokens[start:stop] = tokens
+            self.finished[start:stop] = True
+        for index, (a, b) in self.ranges.items():
+            if index in self.gone:
+                self.send(index, stream_outputs("", "", True), True)
+                continue
+            texts = [self.tokenizer.decode(t).strip() for t in self.tokens[a:b]]
+            transcript = " ".join(t for t in texts if t)
+            segments = json.dumps([{"start": round(s, 3), "end": round(e, 3), "text": text, "tokens": tokens}
+                                   for (s, e), text, tokens in zip(self.jobs[index].spans, texts, self.tokens[a:b])])
+            self.send(index, stream_outputs(transcript, text_delta(self.sent[index], transcript), True, segments), True)
+
+    def _cancelled(self, index: int) -> bool:
+        """Asked of Triton at most every ``CANCEL_CHECK_S`` per request (each question is a round trip
+        from the stub to the server)."""
+        now = time.monotonic()
+        if index not in self.gone and now - self.checked.get(index, -1e9) >= CANCEL_CHECK_S:
+            self.checked[index] = now
+            if self.cancelled(index):
+                self.gone.add(index)
+        return index in self.gone
+
+    def _step(self, offset: int, state: "GreedyBatch") -> None:
+        count = len(state.tokens)
+        self.tokens[offset:offset + count] = state.tokens
+        self.finished[offset:offset + count] = state.finished
+        for index, (a, b) in self.ranges.items():
+            if b <= offset or a >= offset + count:
+                continue
+            if self._cancelled(index):
+                state.stop(range(max(a, offset) - offset, min(b, offset + count) - offset))
+                continue
+            if not self.jobs[index].partials:
+                continue
+            prefix = stable_prefix([self.tokenizer.decode(t) for t in self.tokens[a:b]], self.finished[a:b])
+            delta = text_delta(self.sent[index], prefix)
+            if delta:
+                self.sent[index] = prefix
+                self.send(index, stream_outputs(prefix, delta, False), False)
+
+
+def plan_stream_job(tokenizer: WhisperTokenizer, filters: np.ndarray, audio: np.ndarray,
+                    language: np.ndarray | None, task: np.ndarray | None, max_new_tokens: np.ndarray | None,
+                    parameters: Mapping[str, Any], limits: Mapping[str, Any], **defaults) -> StreamJob:
+    """One ``speech_recognition_stream`` request (one audio item: a stream answers one clip) → its
+    job; InputError naming the input otherwise."""
+    if audio.size != 1:
+        raise InputError(f"input 'audio' holds {audio.size} items; a streamed transcript takes one clip per request")
+    features, spans = audio_to_timed_features(as_bytes(audio.reshape(-1)[0]), filters, **limits)
+    job = plan_request(tokenizer, features[None], None, language, task, max_new_tokens, **defaults)
+    partials = str(parameters.get("partials", True)).lower() != "false"
+    return StreamJob(features, spans, job.prompts[0].tolist(), int(job.max_new_tokens[0]), partials)

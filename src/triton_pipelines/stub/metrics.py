@@ -52,6 +52,21 @@ class RouterMetrics(MetricSet):
                        "counter"),
             "circuit": ("router_gateway_circuit_open", "1 while the circuit breaker of a gateway model is open",
                         "gauge"),
+            "spend": ("router_spend_usd_total", "USD spent at the gateway, by API key name and model (the spend "
+                      "ledger's settled costs)", "counter"),
+            "remaining": ("router_budget_remaining_usd", "What is left of an API key's budget in its current "
+                          "window (spent and reserved subtracted)", "gauge"),
+            "window_spend": ("router_key_window_spend_usd", "An API key's spend (and outstanding reservations) in "
+                             "its current budget window", "gauge"),
+            "soft_budget": ("router_key_soft_budget_usd", "An API key's soft budget (an alert, not a refusal)",
+                            "gauge"),
+            "fallbacks": ("router_fallbacks_total", "Gateway requests answered by a fallback model, by the model "
+                          "asked for (from), the one that answered (to) and why", "counter"),
+            "cooldowns": ("router_cooldowns_total", "Times a gateway model was cooled down (its circuit opened "
+                          "after repeated failures; skipped while it lasts)", "counter"),
+            "refusals": ("router_refusals_total", "Gateway requests refused before the gateway was called, by API "
+                         "key name and reason (unauthenticated, model_not_allowed, over_budget, rate_limited)",
+                         "counter"),
         })
 
     def request(self, task: str, route: str, reason: str | None, latency_s: float | None,
@@ -71,6 +86,28 @@ class RouterMetrics(MetricSet):
     def circuit(self, model: str, open_: bool) -> None:
         self("circuit", model=model).set(1 if open_ else 0)
 
+    # gateway_service.SpendRecorder
+    def spend(self, key_name: str, model: str, cost_usd: float) -> None:
+        self("spend", key_name=key_name, model=model).increment(cost_usd)
+
+    def budget(self, key_name: str, remaining_usd: float | None, window_spend_usd: float,
+               soft_budget_usd: float | None) -> None:
+        if remaining_usd is not None:
+            self("remaining", key_name=key_name).set(remaining_usd)
+        self("window_spend", key_name=key_name).set(window_spend_usd)
+        if soft_budget_usd is not None:
+            self("soft_budget", key_name=key_name).set(soft_budget_usd)
+
+    def fallback(self, from_model: str, to_model: str, reason: str) -> None:
+        # "from" is a Python keyword: the labels go in as a mapping
+        self("fallbacks", **{"from": from_model, "to": to_model, "reason": reason}).increment(1)
+
+    def cooldown(self, model: str) -> None:
+        self("cooldowns", model=model).increment(1)
+
+    def refusal(self, key_name: str, reason: str) -> None:
+        self("refusals", key_name=key_name, reason=reason).increment(1)
+
     def start_at_zero(self, tasks: Mapping[str, str], gateway_models: list[str]) -> None:
         """Create the known series at 0 (``tasks``: task → route): a counter first seen at 1 hides
         that first event from rate() and increase()."""
@@ -79,10 +116,13 @@ class RouterMetrics(MetricSet):
                 self("requests", task=task, route=route, outcome=outcome)
             reasons = ("invalid_input", "timeout", "overloaded", "internal") + (
                 ("upstream_invalid_input", "upstream_unavailable", "upstream_error", "not_loaded") if route == "triton"
-                else ("not_configured", "circuit_open", "unreachable", "upstream_status", "rejected", "bad_response"))
+                else ("not_configured", "circuit_open", "unreachable", "upstream_status", "rejected", "bad_response",
+                      "context_window", "ledger_unavailable", "unauthenticated", "model_not_allowed", "over_budget",
+                      "rate_limited"))
             for reason in reasons:
                 self("failures", task=task, route=route, reason=reason)
         for model in gateway_models:
+            self("cooldowns", model=model)
             self("circuit", model=model).set(0)
             for direction in ("input", "output"):
                 self("tokens", model=model, direction=direction)

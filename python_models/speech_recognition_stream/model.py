@@ -1,0 +1,53 @@
+"""Audio → transcript, streamed: a decoupled model that sends a partial transcript (``transcript``
+so far, ``delta`` since the last response) as tokens are decoded and one final response
+(``is_final``, ``segments``: one per 30 s window with its times), flagged final.
+
+It does ``audio_features``' step in process (it needs each window's span in the audio) and
+``whisper_decode``'s loop over BLS calls to ``whisper_encoder`` / ``whisper_decoder``
+(``triton_pipelines.stub.whisper``): every request of a dynamic batch is decoded together, one
+decoder step for all running windows (``triton_pipelines.speech.StreamDecode``). A request whose
+client has gone (cancelled) stops decoding within 0.1 s. Request parameter ``partials: false``:
+only the final response."""
+
+import triton_python_backend_utils as pb_utils
+
+from triton_pipelines.errors import InputError
+from triton_pipelines.speech import StreamDecode, load_mel_filters, plan_stream_job
+from triton_pipelines.stub.model_args import version_dir
+from triton_pipelines.stub.responses import error_response, input_array, output_response, request_parameters
+from triton_pipelines.stub.whisper import WhisperBls
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.whisper = WhisperBls(args)
+        p = self.whisper.parameters
+        self.limits = {"max_seconds": float(p["max_audio_seconds"]), "max_bytes": int(p["max_audio_bytes"]),
+                       "max_decoded_samples": int(p["max_decoded_samples"]), "min_sample_rate": int(p["min_sample_rate"])}
+        self.filters = load_mel_filters(version_dir(args) / "mel_filters.npz", int(p["n_mels"]))
+
+    def execute(self, requests):
+        senders = [request.get_response_sender() for request in requests]
+        jobs = []
+        for request, sender in zip(requests, senders):
+            try:
+                jobs.append(self.plan(request))
+            except InputError as error:
+                jobs.append(None)
+                sender.send(error_response(error), flags=FINAL)
+        send = lambda i, outputs, final: senders[i].send(output_response(outputs), flags=FINAL if final else 0)  # noqa: E731
+        try:
+            StreamDecode(self.whisper.tokenizer, jobs, self.whisper.group_size, self.whisper.group, send,
+                         cancelled=lambda i: senders[i].is_cancelled()).run()
+        except Exception as error:  # a failed batch fails its requests, not the stub
+            for job, sender in zip(jobs, senders):
+                if job is not None:
+                    sender.send(error_response(RuntimeError(f"speech decoding failed: {error}")), flags=FINAL)
+        return None
+
+    def plan(self, request):
+        return plan_stream_job(self.whisper.tokenizer, self.filters, input_array(request, "audio"),
+                               *(input_array(request, name) for name in ("language", "task", "max_new_tokens")),
+                               parameters=request_parameters(request), limits=self.limits, **self.whisper.defaults)

@@ -1,0 +1,599 @@
+"""The OpenAI-compatible frontend: ``/v1`` on the public HTTP port (nginx routes ``/v1/`` here).
+
+    python -m triton_pipelines.openai_server --port P --triton-grpc 127.0.0.1:G [--triton-grpc ...] \\
+        --model-repository model_repository
+
+One aiohttp process, started, supervised, restarted and drained by the launcher
+(``openai_process.FrontendProcess``). It talks to Triton over each replica's loopback gRPC port
+with ``tritonclient.grpc.aio`` (round robin, a refused replica skipped), through Triton's own
+batching: ``/v1/embeddings`` sends at most the pipeline's max batch (64) strings per request, so a
+list of 64 strings is one ``text_embedding`` request. Audio goes to ``speech_recognition_stream``
+(decoupled, gRPC ModelStreamInfer): its partial transcripts become the SSE ``transcript.text.delta``
+events; without ``stream`` only its final response is asked for. Chat goes to the chat backend seam
+(``chat_backend.py``) in a bounded thread pool.
+
+What a request may be and what it gets back is ``openai_protocol.py``; this module only moves bytes.
+Keys (``$TRITON_API_KEYS_FILE``, ``api_keys.py``): every ``/v1`` request needs a known bearer key
+when the file is set; the key found is ``request["api_key"]``. Keys never reach logs or metrics.
+Metrics (``GET /metrics`` on the loopback port; the launcher appends them to the public
+``:8002/metrics``): ``openai_requests_total``, ``openai_request_duration_seconds``,
+``openai_streamed_responses_total``, ``openai_stream_disconnects_total``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import signal
+import sys
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from . import openai_protocol as proto
+from .api_keys import KeyRing, bearer_secret, keys_from_environment
+from .layout import BuiltManifest
+from .screen import restarting_model_message
+
+EMBEDDING_BATCH = 64  # text_embedding's max_batch_size
+STREAM_MODEL = "speech_recognition_stream"
+TRITON_TIMEOUT_S = 60.0
+SPEECH_TIMEOUT_S = 300.0
+CHAT_THREADS = 16
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+
+
+class Metrics:
+    """Counters by endpoint, model (a known name or "other") and status; latency histogram."""
+
+    def __init__(self, known_models: set[str]):
+        self.known = known_models
+        self.lock = threading.Lock()
+        self.requests: Counter = Counter()
+        self.streams: Counter = Counter()
+        self.disconnects: Counter = Counter()
+        self.buckets: dict[tuple[str, str], list[int]] = {}
+        self.sums: Counter = Counter()
+
+    def model_label(self, model) -> str:
+        return model if isinstance(model, str) and model in self.known else ("" if model is None else "other")
+
+    def observe(self, endpoint: str, model, status: int, seconds: float) -> None:
+        label = self.model_label(model)
+        with self.lock:
+            self.requests[(endpoint, label, str(status))] += 1
+            counts = self.buckets.setdefault((endpoint, label), [0] * (len(LATENCY_BUCKETS) + 1))
+            for i, bound in enumerate(LATENCY_BUCKETS):
+                if seconds <= bound:
+                    counts[i] += 1
+            counts[-1] += 1
+            self.sums[(endpoint, label)] += seconds
+
+    def streamed(self, endpoint: str, model, disconnected: bool = False) -> None:
+        with self.lock:
+            (self.disconnects if disconnected else self.streams)[(endpoint, self.model_label(model))] += 1
+
+    def render(self) -> str:
+        lines = ["# HELP openai_requests_total /v1 requests of the OpenAI-compatible frontend by endpoint, model "
+                 "and HTTP status", "# TYPE openai_requests_total counter"]
+        with self.lock:
+            lines += [f'openai_requests_total{{endpoint="{e}",model="{m}",code="{c}"}} {n}'
+                      for (e, m, c), n in sorted(self.requests.items())]
+            lines += ["# HELP openai_request_duration_seconds time to the last byte of a /v1 response",
+                      "# TYPE openai_request_duration_seconds histogram"]
+            for (e, m), counts in sorted(self.buckets.items()):
+                for bound, count in zip(LATENCY_BUCKETS, counts):
+                    lines.append(f'openai_request_duration_seconds_bucket{{endpoint="{e}",model="{m}",le="{bound}"}} {count}')
+                lines.append(f'openai_request_duration_seconds_bucket{{endpoint="{e}",model="{m}",le="+Inf"}} {counts[-1]}')
+                lines.append(f'openai_request_duration_seconds_sum{{endpoint="{e}",model="{m}"}} {self.sums[(e, m)]:.6f}')
+                lines.append(f'openai_request_duration_seconds_count{{endpoint="{e}",model="{m}"}} {counts[-1]}')
+            lines += ["# HELP openai_streamed_responses_total /v1 responses sent as server-sent events",
+                      "# TYPE openai_streamed_responses_total counter"]
+            lines += [f'openai_streamed_responses_total{{endpoint="{e}",model="{m}"}} {n}'
+                      for (e, m), n in sorted(self.streams.items())]
+            lines += ["# HELP openai_stream_disconnects_total streams whose client left before the end (the "
+                      "Triton stream was cancelled)", "# TYPE openai_stream_disconnects_total counter"]
+            lines += [f'openai_stream_disconnects_total{{endpoint="{e}",model="{m}"}} {n}'
+                      for (e, m), n in sorted(self.disconnects.items())]
+        return "\n".join(lines) + "\n"
+
+
+def triton_error(error: Exception, what: str) -> proto.OpenAIError:
+    """A tritonclient failure → the OpenAI error a client gets."""
+    status = str(getattr(error, "status", lambda: "")() or "")
+    message = str(getattr(error, "message", lambda: "")() or error)
+    message = message.removeprefix("[StatusCode.INVALID_ARGUMENT] ")
+    if "INVALID_ARGUMENT" in status or "invalid input: " in message:
+        text = message.split("invalid input: ", 1)[-1]
+        return proto.invalid(f"{what}: {text}", "file" if what == "audio" else "input")
+    restarting = restarting_model_message(message)
+    if restarting:  # a dead Python stub: the launcher is reloading that model
+        return proto.unavailable(f"{what}: {restarting}")
+    if "DEADLINE_EXCEEDED" in status or "Deadline" in message:
+        return proto.OpenAIError(504, f"{what}: the model did not answer in time", "server_error", None, "timeout")
+    if any(s in status for s in ("UNAVAILABLE", "NOT_FOUND", "CANCELLED")) or "not ready" in message \
+            or "unknown model" in message or "restarting" in message:
+        return proto.unavailable(f"{what}: the model is not available right now ({message[:200]})")
+    return proto.internal(f"{what}: {message[:300]}")
+
+
+class Triton:
+    """Clients of every replica's loopback gRPC port; requests go round robin, and a replica that
+    refuses (restarting) is skipped for the next."""
+
+    def __init__(self, addresses: list[str]):
+        import tritonclient.grpc.aio as grpcclient
+
+        self.grpcclient = grpcclient
+        options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+        self.clients = [grpcclient.InferenceServerClient(a, channel_args=options) for a in addresses]
+        self.turn = itertools.count()
+
+    def order(self):
+        start = next(self.turn)
+        return [self.clients[(start + i) % len(self.clients)] for i in range(len(self.clients))]
+
+    async def infer(self, model: str, inputs: list, outputs: list[str], timeout_s: float):
+        requested = [self.grpcclient.InferRequestedOutput(name) for name in outputs]
+        error = None
+        for client in self.order():
+            try:
+                return await client.infer(model, inputs, outputs=requested, client_timeout=timeout_s)
+            except self.grpcclient.InferenceServerException as failure:
+                error = failure
+                # a replica that is restarting, or whose model lost its stub: the next one may serve
+                if "UNAVAILABLE" not in str(failure.status() or "") and not restarting_model_message(str(failure)):
+                    raise
+        raise error
+
+    def stream(self, model: str, inputs: list, parameters: dict, timeout_s: float):
+        """One request on a ModelStreamInfer stream → (call, async iterator of (result, error)); the
+        request side stays open until ``done`` is set (Triton then has every response)."""
+        done = asyncio.Event()
+
+        async def requests():
+            yield {"model_name": model, "inputs": inputs, "parameters": parameters}
+            await done.wait()
+
+        client = self.order()[0]
+        call = client.stream_infer(requests(), stream_timeout=timeout_s)
+        return call, done
+
+    async def close(self):
+        for client in self.clients:
+            await client.close()
+
+
+def bytes_input(grpcclient, name: str, values: list[bytes]):
+    tensor = grpcclient.InferInput(name, [len(values), 1], "BYTES")
+    tensor.set_data_from_numpy(np.array(values, dtype=np.object_).reshape(-1, 1))
+    return tensor
+
+
+class Frontend:
+    def __init__(self, triton: Triton, catalog: proto.ModelCatalog, keys: KeyRing | None, token_counter,
+                 chat_backend=None, language_codes=(), triton_timeout_s: float = TRITON_TIMEOUT_S):
+        self.triton, self.catalog, self.keys = triton, catalog, keys
+        self.count_tokens = token_counter
+        self.chat = chat_backend
+        self.language_codes = tuple(language_codes)
+        self.timeout_s = triton_timeout_s
+        self.pool = ThreadPoolExecutor(max_workers=CHAT_THREADS, thread_name_prefix="chat")
+        self.chat_slots = asyncio.Semaphore(CHAT_THREADS * 4)
+        known = {row["id"] for row in catalog.entries()}
+        self.metrics = Metrics(known)
+        self.draining = False
+
+    # ----------------------------------------------------------------------------- plumbing
+    def app(self):
+        from aiohttp import web
+
+        app = web.Application(middlewares=[self.middleware], client_max_size=proto.MAX_JSON_BODY_BYTES)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model}", self.model)
+        app.router.add_post("/v1/embeddings", self.embeddings)
+        app.router.add_post("/v1/audio/transcriptions", self.transcriptions)
+        app.router.add_post("/v1/audio/translations", self.translations)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/metrics", self.metrics_page)
+        app.router.add_get("/health", self.health)
+        return app
+
+    def reply(self, body, status: int = 200, content_type: str = "application/json", headers=None):
+        from aiohttp import web
+
+        text = body if isinstance(body, str) else json.dumps(body)
+        return web.Response(text=text, status=status, headers=headers,
+                            content_type=content_type.split(";")[0], charset="utf-8")
+
+    def error_reply(self, error: proto.OpenAIError):
+        return self.reply(error.body(), error.status, headers=dict(error.headers))
+
+    async def middleware(self, app, handler):
+        from aiohttp import web
+
+        async def handle(request):
+            if not request.path.startswith("/v1"):
+                return await handler(request)
+            started = time.perf_counter()
+            endpoint = request.path.split("?")[0]
+            if request.match_info.route.resource is None or endpoint.startswith("/v1/models/"):
+                endpoint = "/v1/models" if endpoint.startswith("/v1/models") else "other"
+            request["model"] = None
+            status = 500
+            try:
+                if self.keys is not None:
+                    secret = bearer_secret(request.headers.get("Authorization"))
+                    if secret is None:
+                        raise proto.unauthorized("You didn't provide an API key: send 'Authorization: Bearer <key>'")
+                    request["api_key"] = self.keys.lookup(secret)
+                    if request["api_key"] is None:
+                        raise proto.unauthorized("Incorrect API key provided.")
+                else:
+                    request["api_key"] = None
+                response = await handler(request)
+                status = response.status
+                return response
+            except proto.OpenAIError as error:
+                status = error.status
+                return self.error_reply(error)
+            except web.HTTPException as error:  # aiohttp's own: unknown path, wrong method, body too large
+                status = error.status
+                kind = {404: ("not found: no such /v1 endpoint", "not_found"),
+                        405: (f"method {request.method} is not allowed here", "method_not_allowed"),
+                        413: ("the request body is too large", "request_too_large")}
+                message, code = kind.get(error.status, (error.reason, None))
+                return self.error_reply(proto.OpenAIError(error.status, message, "invalid_request_error", None, code))
+            except (ConnectionResetError, asyncio.CancelledError):
+                status = 499  # the client left
+                raise
+            except Exception as error:  # noqa: BLE001 - a bug answers 500, the server lives
+                status = 500
+                print(f"[openai] {endpoint}: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
+                return self.error_reply(proto.internal(f"internal error ({type(error).__name__})"))
+            finally:
+                self.metrics.observe(endpoint, request.get("model"), status, time.perf_counter() - started)
+        return handle
+
+    async def metrics_page(self, request):
+        return self.reply(self.metrics.render(), content_type="text/plain")
+
+    async def health(self, request):
+        return self.reply({"status": "draining" if self.draining else "ok"}, 503 if self.draining else 200)
+
+    async def json_body(self, request) -> dict:
+        if request.content_length is not None and request.content_length > proto.MAX_JSON_BODY_BYTES:
+            raise proto.too_large(f"the request body is {request.content_length} bytes; the limit for JSON bodies "
+                                  f"is {proto.MAX_JSON_BODY_BYTES} bytes")
+        if "json" not in (request.content_type or ""):
+            raise proto.invalid(f"the body must be JSON (Content-Type: application/json), not "
+                                f"{(request.content_type or 'none')[:64]!r}")
+        return proto.parse_json_body(await request.read())
+
+    # ----------------------------------------------------------------------------- models
+    async def models(self, request):
+        return self.reply(self.catalog.listing())
+
+    async def model(self, request):
+        request["model"] = request.match_info["model"]
+        return self.reply(self.catalog.entry(request.match_info["model"]))
+
+    # ----------------------------------------------------------------------------- embeddings
+    async def embeddings(self, request):
+        body = await self.json_body(request)
+        request["model"] = body.get("model")
+        parsed = proto.parse_embeddings(body, self.catalog)
+        grpcclient = self.triton.grpcclient
+        encoded = [text.encode("utf-8") for text in parsed.texts]
+        calls = [self.triton.infer(parsed.model, [bytes_input(grpcclient, "text", encoded[a:b])], ["embedding"],
+                                   self.timeout_s) for a, b in proto.batches(len(encoded), EMBEDDING_BATCH)]
+        counting = asyncio.get_running_loop().run_in_executor(None, self.count_tokens, parsed.texts)
+        try:
+            results = await asyncio.gather(*calls)
+        except self.triton.grpcclient.InferenceServerException as error:
+            raise triton_error(error, "text_embedding") from None
+        embeddings = np.concatenate([result.as_numpy("embedding") for result in results])
+        tokens = await counting
+        return self.reply(proto.embeddings_response(parsed.model, embeddings, parsed.encoding_format, tokens))
+
+    # ----------------------------------------------------------------------------- audio
+    async def transcriptions(self, request):
+        return await self.audio(request, "transcribe")
+
+    async def translations(self, request):
+        return await self.audio(request, "translate")
+
+    async def audio(self, request, task: str):
+        fields, filename, data = await read_multipart(request)
+        request["model"] = fields.get("model")
+        parsed = proto.parse_transcription(fields, filename, None if data is None else len(data), task, self.catalog,
+                                           self.language_codes)
+        grpcclient = self.triton.grpcclient
+        inputs = [bytes_input(grpcclient, "audio", [data])]
+        if parsed.language:
+            inputs.append(bytes_input(grpcclient, "language", [parsed.language.encode()]))
+        inputs.append(bytes_input(grpcclient, "task", [task.encode()]))
+        call, done = self.triton.stream(STREAM_MODEL, inputs, {"partials": parsed.stream}, SPEECH_TIMEOUT_S)
+        endpoint = request.path
+        try:
+            if parsed.stream:
+                return await self.audio_events(request, call, endpoint, parsed)
+            final = await self.final_response(call)
+            text, segments = final
+            duration = segments[-1].end if segments else 0.0
+            body, content_type = proto.format_transcript(parsed.response_format, text, segments, task,
+                                                         parsed.language or "en", duration)
+            return self.reply(body, content_type=content_type)
+        finally:
+            done.set()
+            call.cancel()  # a no-op after the final response; stops the decode when the client left
+
+    async def final_response(self, call) -> tuple[str, list[proto.Segment]]:
+        async for result, error in call:
+            if error is not None:
+                raise triton_error(error, "audio")
+            if bool(result.as_numpy("is_final").reshape(-1)[0]):
+                text = result.as_numpy("transcript").reshape(-1)[0].decode("utf-8", "replace")
+                return text, proto.parse_segments(result.as_numpy("segments").reshape(-1)[0])
+        raise proto.unavailable("audio: the speech model ended the stream without a transcript")
+
+    async def audio_events(self, request, call, endpoint: str, parsed: proto.TranscriptionRequest):
+        from aiohttp import web
+
+        # The first response decides between an HTTP error and a stream.
+        iterator = call.__aiter__()
+        try:
+            first = await iterator.__anext__()
+        except StopAsyncIteration:
+            raise proto.unavailable("audio: the speech model ended the stream without a transcript") from None
+        if first[1] is not None:
+            raise triton_error(first[1], "audio")
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                               "X-Accel-Buffering": "no"})
+        await response.prepare(request)
+        self.metrics.streamed(endpoint, parsed.model)
+        pending = [first]
+        try:
+            while True:
+                result, error = pending.pop() if pending else await iterator.__anext__()
+                if error is not None:
+                    failure = triton_error(error, "audio")
+                    await response.write(proto.sse(failure.body()))
+                    break
+                final = bool(result.as_numpy("is_final").reshape(-1)[0])
+                delta = result.as_numpy("delta").reshape(-1)[0].decode("utf-8", "replace")
+                if delta:
+                    await response.write(proto.sse(proto.transcript_delta(delta)))
+                if final:
+                    text = result.as_numpy("transcript").reshape(-1)[0].decode("utf-8", "replace")
+                    await response.write(proto.sse(proto.transcript_done(text)))
+                    break
+        except (ConnectionResetError, asyncio.CancelledError):
+            self.metrics.streamed(endpoint, parsed.model, disconnected=True)
+            raise
+        except StopAsyncIteration:
+            await response.write(proto.sse(proto.unavailable("audio: the stream ended early").body()))
+        await response.write_eof()
+        return response
+
+    # ----------------------------------------------------------------------------- chat
+    async def chat_completions(self, request):
+        from aiohttp import web
+
+        from .chat_backend import ChatError
+
+        body = await self.json_body(request)
+        request["model"] = body.get("model")
+        parsed = proto.parse_chat(body, self.catalog)
+        api_key = request["api_key"]
+        if api_key is not None and not api_key.allows_model(parsed.model):
+            raise proto.model_not_found(parsed.model)
+        if self.chat is None or not self.chat.configured:
+            raise proto.unavailable("the external gateway is not configured: set LLM_GATEWAY_BASE_URL and "
+                                    "LLM_GATEWAY_API_KEY in the server's environment", None)
+        if self.chat_slots.locked():
+            raise proto.rate_limited("too many chat completions in flight on this server: retry shortly")
+        loop = asyncio.get_running_loop()
+
+        def failure(error: ChatError) -> proto.OpenAIError:
+            kind = "invalid_request_error" if error.status < 500 else "server_error"
+            retry = {"Retry-After": str(max(1, int(error.retry_after_s + 0.999)))} if error.retry_after_s else {}
+            return proto.OpenAIError(error.status, str(error), kind, None, error.code, retry)
+
+        async with self.chat_slots:
+            if not parsed.stream:
+                try:
+                    answer = await loop.run_in_executor(self.pool, self.chat.complete, api_key, parsed.body)
+                except ChatError as error:
+                    raise failure(error) from None
+                cost = answer.get("usage", {}).get("cost_usd")
+                headers = {"x-request-cost-usd": f"{cost:.10f}".rstrip("0").rstrip(".")} if cost is not None else {}
+                return self.reply(answer, headers=headers)
+            chunks = self.chat.stream(api_key, parsed.body)
+            sentinel = object()
+            try:
+                first = await loop.run_in_executor(self.pool, next, chunks, sentinel)
+            except ChatError as error:
+                raise failure(error) from None
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                                   "X-Accel-Buffering": "no"})
+            await response.prepare(request)
+            self.metrics.streamed("/v1/chat/completions", parsed.model)
+            chunk = first
+            try:
+                while chunk is not sentinel:
+                    await response.write(proto.sse(chunk))
+                    try:
+                        chunk = await loop.run_in_executor(self.pool, next, chunks, sentinel)
+                    except ChatError as error:
+                        await response.write(proto.sse(failure(error).body()))
+                        break
+                await response.write(proto.SSE_DONE)
+            except (ConnectionResetError, asyncio.CancelledError):
+                self.metrics.streamed("/v1/chat/completions", parsed.model, disconnected=True)
+                close = getattr(chunks, "close", None)
+                if close:
+                    close()
+                raise
+            await response.write_eof()
+            return response
+
+
+async def read_multipart(request) -> tuple[dict[str, str], str | None, bytes | None]:
+    """The multipart body, bounded: at most ``MAX_MULTIPART_PARTS`` parts, the ``file`` part at most
+    the audio limit, other fields ``MAX_FIELD_BYTES``, the file name ``MAX_FILENAME_CHARS``."""
+    from aiohttp import http_exceptions
+
+    from .speech import MAX_AUDIO_BYTES
+
+    if not (request.content_type or "").startswith("multipart/form-data"):
+        raise proto.invalid(f"the body must be multipart/form-data with a 'file' part, not "
+                            f"{(request.content_type or 'none')[:64]!r}")
+    try:
+        reader = await request.multipart()
+    except (ValueError, AssertionError) as error:
+        raise proto.invalid(f"the multipart body cannot be read: {str(error)[:200]}") from None
+    fields: dict[str, str] = {}
+    filename, data = None, None
+    parts = 0
+    try:
+        while True:
+            part = await reader.next()
+            if part is None:
+                break
+            parts += 1
+            if parts > proto.MAX_MULTIPART_PARTS:
+                raise proto.invalid(f"the multipart body has more than {proto.MAX_MULTIPART_PARTS} parts")
+            if not hasattr(part, "read_chunk"):  # a nested multipart
+                raise proto.invalid("nested multipart bodies are not accepted")
+            name = part.name or ""
+            if len(name) > 64:
+                raise proto.invalid("a multipart part's name is longer than 64 characters")
+            if name == "file":
+                if data is not None:
+                    raise proto.invalid("'file' is given twice", "file")
+                raw_name = part.filename or ""
+                if len(raw_name) > proto.MAX_FILENAME_CHARS:
+                    raise proto.invalid(f"the file name is {len(raw_name)} characters; at most "
+                                        f"{proto.MAX_FILENAME_CHARS}", "file")
+                filename = raw_name
+                data = await bounded_read(part, MAX_AUDIO_BYTES, lambda: proto.too_large(
+                    f"'file' is larger than the audio limit of {MAX_AUDIO_BYTES} bytes ({MAX_AUDIO_BYTES >> 20} MiB)",
+                    "file"))
+            else:
+                value = await bounded_read(part, proto.MAX_FIELD_BYTES, lambda: proto.invalid(
+                    f"the multipart field '{name[:64]}' is longer than {proto.MAX_FIELD_BYTES} bytes", name[:64]))
+                if name in fields:
+                    raise proto.invalid(f"the field '{name}' is given twice", name)
+                try:
+                    fields[name] = value.decode("utf-8")
+                except UnicodeDecodeError:
+                    raise proto.invalid(f"the field '{name[:64]}' is not UTF-8 text", name[:64]) from None
+    except proto.OpenAIError:
+        raise
+    except http_exceptions.LineTooLong:
+        raise proto.invalid("a multipart part's headers are too long (a file name of at most "
+                            f"{proto.MAX_FILENAME_CHARS} characters)", "file") from None
+    except (ValueError, AssertionError, RuntimeError, http_exceptions.HttpProcessingError) as error:
+        raise proto.invalid(f"the multipart body cannot be read: {str(error)[:200]}") from None
+    return fields, filename, data
+
+
+async def bounded_read(part, limit: int, error) -> bytes:
+    chunks, size = [], 0
+    while True:
+        chunk = await part.read_chunk(1 << 16)
+        if not chunk:
+            return b"".join(chunks)
+        size += len(chunk)
+        if size > limit:
+            raise error()
+        chunks.append(chunk)
+
+
+# --------------------------------------------------------------------------------- start-up
+def token_counter(model_repository: Path):
+    """Real token counts (no padding) of texts as the served ``text_tokenizer`` tokenizes them: its
+    own ``tokenizer.json`` and ``max_sequence_length`` (truncation), from the repository."""
+    import re
+
+    from .text import MAX_SEQUENCE_LENGTH, TextTokenizer
+
+    folder = model_repository / "text_tokenizer"
+    if not (folder / "1" / "tokenizer.json").exists():
+        return lambda texts: 0
+    found = re.search(r'key:\s*"max_sequence_length"\s*value:\s*\{\s*string_value:\s*"(\d+)"',
+                      (folder / "config.pbtxt").read_text())
+    max_length = int(found.group(1)) if found else MAX_SEQUENCE_LENGTH
+    tokenizer = TextTokenizer(folder / "1" / "tokenizer.json", max_length=max_length, buckets=())
+    return lambda texts: int(tokenizer.encode(list(texts)).attention_mask.sum())
+
+
+def route_table(model_repository: Path):
+    from .routing import RouteTable
+
+    for path in (model_repository / "router" / "1" / "routes.yaml", Path("data/routes.yaml")):
+        if path.exists():
+            return RouteTable.load(path)
+    return None
+
+
+async def serve(args: argparse.Namespace) -> None:
+    from aiohttp import web
+
+    from .speech import LANGUAGE_CODES
+
+    keys = keys_from_environment()
+    try:
+        public = BuiltManifest.read(args.model_repository).public_models
+    except (OSError, ValueError):
+        public = None
+    table = route_table(args.model_repository)
+    catalog = proto.ModelCatalog.build(public, table.prices if table else (), created=int(time.time()))
+    chat = None
+    if table is not None:
+        from .chat_backend import GatewayChatBackend
+
+        chat = GatewayChatBackend(table)
+    triton = Triton(args.triton_grpc)
+    frontend = Frontend(triton, catalog, keys, token_counter(args.model_repository), chat, LANGUAGE_CODES)
+    runner = web.AppRunner(frontend.app(), access_log=None, handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, args.listen, args.port, backlog=1024)
+    await site.start()
+    print(f"[openai] serving /v1 on {args.listen}:{args.port} ({len(catalog.entries())} models, keys "
+          f"{'required' if keys else 'off'})", file=sys.stderr, flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    await stop.wait()
+    # Drain: no new connections, requests in flight finish (up to the grace period).
+    frontend.draining = True
+    await site.stop()
+    await runner.shutdown()
+    await runner.cleanup()
+    await triton.close()
+    if chat is not None:
+        chat.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--listen", default="127.0.0.1")
+    parser.add_argument("--triton-grpc", action="append", required=True, help="host:port of a replica's gRPC port")
+    parser.add_argument("--model-repository", type=Path, default=Path("model_repository"))
+    args = parser.parse_args(argv)
+    asyncio.run(serve(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""Greedy Whisper decoding over BLS, shared by ``whisper_decode`` and ``speech_recognition_stream``:
+their parameters, the Whisper tokenizer, one encoder pass per group of windows and one
+``whisper_decoder`` call per step (``triton_pipelines.speech.GreedyDecoder``).
+
+The cross-attention K/V do not change between steps: on the gpu target they are passed on as the
+encoder response's own (device) tensors; on the embedded target, where every BLS input is copied
+into the callee's stub, the first step sends them and later steps name the decoder's cached copy
+(``input_cache_key``, this instance's slot)."""
+
+from __future__ import annotations
+
+import os
+
+import triton_python_backend_utils as pb_utils
+
+from ..speech import GreedyDecoder, WhisperTokenizer, cross_names, decode_group_size
+from .bls import call, call_in_batches, gather_rows
+from .model_args import model_parameters, version_dir
+
+
+class WhisperBls:
+    def __init__(self, args: dict):
+        p = self.parameters = model_parameters(args)
+        self.encoder_model, self.decoder_model = p["encoder_model"], p["decoder_model"]
+        self.defaults = {"default_language": p["default_language"], "default_task": p["default_task"],
+                         "default_max_new_tokens": int(p["max_new_tokens"])}
+        self.encoder_batch = int(p["encoder_max_batch_size"])
+        caches_cross = p.get("decoder_input_cache", "false") == "true"
+        self.group_size = decode_group_size(int(p["decoder_max_batch_size"]), self.encoder_batch, caches_cross)
+        vocab_size = int(p["vocab_size"])
+        self.tokenizer = WhisperTokenizer.for_vocab_size(version_dir(args) / "multilingual.tiktoken", vocab_size)
+        self.cross_names = cross_names(int(p["decoder_layers"]))
+        # With the cache, the decoder keeps this instance's current group under this key.
+        key = f"{args['model_name']}/{args['model_instance_name']}/{os.getpid()}" if caches_cross else None
+        self.decoder = GreedyDecoder(self.tokenizer, vocab_size, self.step, gather_rows, cache_key=key)
+
+    def group(self, features, prompts, max_new_tokens, on_step=None):
+        """One group of windows: encoder, then the greedy loop → generated ids per window."""
+        cross = call_in_batches(self.encoder_model, "input_features", features, self.encoder_batch, self.cross_names)
+        _, heads, _, head_dim = cross["cross_value_0"].shape()
+        # Finished windows leave the batch when their rows can be gathered here (CPU tensors); with
+        # the cross K/V on a GPU they stay in the batch and their tokens are ignored.
+        compact = all(tensor.is_cpu() for tensor in cross.values())
+        return self.decoder.decode(prompts, max_new_tokens, cross, heads, head_dim, compact, on_step=on_step)
+
+    def step(self, input_ids, past, cross, parameters):
+        inputs = [pb_utils.Tensor("input_ids", input_ids), pb_utils.Tensor("past_self_kv", past), *cross.values()]
+        outputs = call(self.decoder_model, inputs, ["logits", "present_self_kv"], cpu_outputs=True,
+                       parameters=parameters)
+        return outputs["logits"].as_numpy(), outputs["present_self_kv"].as_numpy()

@@ -1,0 +1,39 @@
+"""The launcher's side of the OpenAI-compatible frontend (openai_process.py), without a server."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from triton_pipelines.api_keys import KeysFileError
+from triton_pipelines.openai_process import FrontendProcess
+
+
+def test_a_named_keys_file_that_is_missing_or_malformed_stops_the_start(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_API_KEYS_FILE", str(tmp_path / "absent.yaml"))
+    with pytest.raises(KeysFileError):
+        FrontendProcess(Path("model_repository"), ["127.0.0.1:1"], print)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("keys: [{key: short, name: a}]\n")
+    monkeypatch.setenv("TRITON_API_KEYS_FILE", str(bad))
+    with pytest.raises(KeysFileError):
+        FrontendProcess(Path("model_repository"), ["127.0.0.1:1"], print)
+
+
+def test_a_frontend_that_keeps_dying_is_restarted_with_backoff(monkeypatch):
+    monkeypatch.delenv("TRITON_API_KEYS_FILE", raising=False)
+    lines = []
+    frontend = FrontendProcess(Path("model_repository"), ["127.0.0.1:1"], lines.append)
+    frontend.command = lambda: [sys.executable, "-c", "raise SystemExit(3)"]
+    frontend.start()
+    frontend.process.wait()
+    assert frontend.ensure_running()  # the first exit: at once
+    frontend.process.wait()
+    assert not frontend.ensure_running()  # dying again at once: after a backoff
+    assert frontend.restarts == 1 and "restarting it in 2 s" in lines[-1]
+    frontend.next_start = 0.1  # the backoff has passed
+    assert frontend.ensure_running() and frontend.restarts == 2
+    frontend.process.wait()
+    assert "launcher_openai_frontend_restarts_total 2" in frontend.metrics_text()

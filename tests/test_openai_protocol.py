@@ -1,0 +1,321 @@
+"""The OpenAI-compatible surface's protocol (openai_protocol.py) and the streaming transcript logic
+(speech.StreamDecode, stable_prefix): no server."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import numpy as np
+import pytest
+
+from triton_pipelines import openai_protocol as proto
+from triton_pipelines.speech import GreedyBatch, StreamDecode, StreamJob, stable_prefix, text_delta
+
+CATALOG = proto.ModelCatalog.build(["text_embedding", "text_classification", "speech_recognition", "router"],
+                                   ["gpt-4.1", "deepseek-v3.2"])
+LANGUAGES = ("en", "de", "es")
+
+
+def error_of(call, *args, **kwargs) -> proto.OpenAIError:
+    with pytest.raises(proto.OpenAIError) as caught:
+        call(*args, **kwargs)
+    return caught.value
+
+
+# ------------------------------------------------------------------------------------ models
+def test_the_catalog_lists_self_hosted_pipelines_aliases_and_gateway_models_with_their_owner():
+    rows = {row["id"]: row["owned_by"] for row in CATALOG.listing()["data"]}
+    assert rows == {"text_embedding": "self-hosted", "text_classification": "self-hosted",
+                    "speech_recognition": "self-hosted", "whisper-1": "self-hosted",
+                    "gpt-4.1": "gateway", "deepseek-v3.2": "gateway"}
+    assert all(row["object"] == "model" for row in CATALOG.listing()["data"])
+    # a pipeline that was not built is not listed, nor its alias
+    assert "whisper-1" not in {r["id"] for r in proto.ModelCatalog.build(["text_embedding"], []).entries()}
+
+
+def test_unknown_models_are_404_and_models_of_another_kind_400():
+    assert error_of(CATALOG.resolve, "nope", proto.EMBEDDING_MODELS, "embeddings").status == 404
+    error = error_of(CATALOG.resolve, "speech_recognition", proto.EMBEDDING_MODELS, "embeddings")
+    assert error.status == 400 and error.param == "model"
+    assert CATALOG.resolve("whisper-1", proto.SPEECH_MODELS, "audio") == "speech_recognition"
+    assert error_of(CATALOG.resolve_gateway, "text_embedding").status == 400
+    assert error_of(CATALOG.resolve_gateway, "gpt-5").status == 404
+    assert error_of(CATALOG.entry, "x").body()["error"]["code"] == "model_not_found"
+
+
+# ------------------------------------------------------------------------------------ errors
+def test_errors_have_openais_shape():
+    body = proto.invalid("'input' is required", "input").body()
+    assert body == {"error": {"message": "'input' is required", "type": "invalid_request_error", "param": "input",
+                              "code": None}}
+    assert proto.unauthorized("x").status == 401 and proto.too_large("x").status == 413
+    assert proto.rate_limited("x").status == 429 and proto.rate_limited("x").headers["Retry-After"] == "1"
+    assert proto.unavailable("x").status == 503
+
+
+@pytest.mark.parametrize("raw, status", [(b"", 400), (b"[1]", 400), (b"{", 400), (b"[" * 100_000, 400),
+                                         (b'"s"', 400), (b"\xff\xfe", 400)])
+def test_bad_json_bodies_are_400(raw, status):
+    assert error_of(proto.parse_json_body, raw).status == status
+
+
+def test_a_json_body_over_the_limit_is_413():
+    assert error_of(proto.parse_json_body, b"{}" + b" " * 100, limit=50).status == 413
+
+
+# ------------------------------------------------------------------------------------ embeddings
+def test_embeddings_requests():
+    request = proto.parse_embeddings({"model": "text_embedding", "input": "hi"}, CATALOG)
+    assert request.texts == ["hi"] and request.encoding_format == "float"
+    request = proto.parse_embeddings({"model": "text_embedding", "input": ["a", "", "c"],
+                                      "encoding_format": "base64"}, CATALOG)
+    assert request.texts == ["a", "", "c"] and request.encoding_format == "base64"
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"input": "x"}, "model"),
+    ({"model": "text_embedding"}, "input"),
+    ({"model": "text_embedding", "input": []}, "input"),
+    ({"model": "text_embedding", "input": ["x"] * 10_000}, "input"),
+    ({"model": "text_embedding", "input": [["a"], ["b"]]}, "input"),
+    ({"model": "text_embedding", "input": [1, 2, 3]}, "input"),
+    ({"model": "text_embedding", "input": [[1, 2], [3]]}, "input"),
+    ({"model": "text_embedding", "input": ["ok", 3]}, "input"),
+    ({"model": "text_embedding", "input": {"a": 1}}, "input"),
+    ({"model": "text_embedding", "input": "x" * (64 * 1024 + 1)}, "input"),
+    ({"model": "text_embedding", "input": "\ud800"}, "input"),
+    ({"model": "text_embedding", "input": "x", "encoding_format": "int8"}, "encoding_format"),
+    ({"model": "text_embedding", "input": "x", "dimensions": 8}, "dimensions"),
+    ({"model": 7, "input": "x"}, "model"),
+])
+def test_bad_embeddings_requests_name_the_field(body, param):
+    error = error_of(proto.parse_embeddings, body, CATALOG)
+    assert error.status == 400 and error.param == param, error.message
+
+
+def test_embeddings_response_float_and_base64():
+    vectors = np.random.default_rng(0).standard_normal((2, 4)).astype(np.float32)
+    floats = proto.embeddings_response("text_embedding", vectors, "float", 5)
+    assert floats["usage"] == {"prompt_tokens": 5, "total_tokens": 5}
+    assert [d["index"] for d in floats["data"]] == [0, 1]
+    assert np.array_equal(np.array(floats["data"][1]["embedding"], np.float32), vectors[1])
+    encoded = proto.embeddings_response("text_embedding", vectors, "base64", 5)
+    decoded = np.frombuffer(base64.b64decode(encoded["data"][0]["embedding"]), dtype="<f4")
+    assert np.array_equal(decoded, vectors[0])
+    json.dumps(floats)
+
+
+def test_batches_cover_every_item_at_most_the_max_batch_each():
+    assert proto.batches(64, 64) == [(0, 64)]
+    assert proto.batches(130, 64) == [(0, 64), (64, 128), (128, 130)]
+
+
+# ------------------------------------------------------------------------------------ audio
+def transcription(**fields):
+    base = {"model": "speech_recognition"}
+    return proto.parse_transcription({**base, **fields}, "a.wav", 100, "transcribe", CATALOG, LANGUAGES)
+
+
+def test_transcription_fields():
+    request = transcription(language="DE", response_format="srt", temperature="0")
+    assert (request.language, request.response_format, request.stream) == ("de", "srt", False)
+    assert transcription(stream="true").stream and transcription(model="whisper-1").model == "speech_recognition"
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"language": "xx"}, "language"), ({"response_format": "mp3"}, "response_format"),
+    ({"temperature": "2"}, "temperature"), ({"temperature": "warm"}, "temperature"),
+    ({"stream": "maybe"}, "stream"), ({"stream": "true", "response_format": "srt"}, "stream"),
+    ({"model": "text_embedding"}, "model"),
+])
+def test_bad_transcription_fields_name_the_field(fields, param):
+    error = error_of(transcription, **fields)
+    assert error.status == 400 and error.param == param
+
+
+def test_a_missing_or_empty_file_is_400():
+    for size in (None, 0):
+        error = error_of(proto.parse_transcription, {"model": "speech_recognition"}, "a.wav", size, "transcribe",
+                         CATALOG, LANGUAGES)
+        assert error.status == 400 and error.param == "file"
+
+
+SEGMENTS = [proto.Segment(0.0, 29.5, "Hello there.", (1, 2)), proto.Segment(29.5, 3725.25, "General Kenobi.", (3,))]
+
+
+def test_response_formats():
+    text = "Hello there. General Kenobi."
+    body, kind = proto.format_transcript("json", text, SEGMENTS, "transcribe", "en", 3725.25)
+    assert json.loads(body) == {"text": text} and kind == "application/json"
+    assert proto.format_transcript("text", text, SEGMENTS, "transcribe", "en", 1)[0] == text + "\n"
+    verbose = json.loads(proto.format_transcript("verbose_json", text, SEGMENTS, "translate", "de", 3725.25)[0])
+    assert verbose["task"] == "translate" and verbose["language"] == "german" and verbose["duration"] == 3725.25
+    assert [(s["start"], s["end"], s["text"]) for s in verbose["segments"]] == [(0.0, 29.5, "Hello there."),
+                                                                              (29.5, 3725.25, "General Kenobi.")]
+    srt = proto.format_transcript("srt", text, SEGMENTS, "transcribe", "en", 1)[0]
+    assert srt == ("1\n00:00:00,000 --> 00:00:29,500\nHello there.\n\n"
+                   "2\n00:00:29,500 --> 01:02:05,250\nGeneral Kenobi.\n")
+    vtt = proto.format_transcript("vtt", text, SEGMENTS, "transcribe", "en", 1)[0]
+    assert vtt.startswith("WEBVTT\n\n00:00:00.000 --> 00:00:29.500\nHello there.\n")
+
+
+def test_segments_round_trip_from_the_stream_models_output():
+    raw = json.dumps([{"start": 0, "end": 1.5, "text": "a", "tokens": [1]}])
+    assert proto.parse_segments(raw) == [proto.Segment(0.0, 1.5, "a", (1,))]
+
+
+# ------------------------------------------------------------------------------------ chat
+def test_chat_requests():
+    request = proto.parse_chat({"model": "gpt-4.1", "messages": [{"role": "user", "content": "hi"}],
+                                "stream": True, "stream_options": {"include_usage": True}}, CATALOG)
+    assert request.stream and request.include_usage and request.model == "gpt-4.1"
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"model": "gpt-4.1"}, "messages"), ({"model": "gpt-4.1", "messages": []}, "messages"),
+    ({"model": "gpt-4.1", "messages": ["hi"]}, "messages[0]"),
+    ({"model": "gpt-4.1", "messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+    ({"model": "gpt-4.1", "messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
+    ({"model": "gpt-4.1", "messages": [{"role": "user"}], "temperature": 9}, "temperature"),
+    ({"model": "gpt-4.1", "messages": [{"role": "user"}], "n": 2}, "n"),
+    ({"model": "gpt-4.1", "messages": [{"role": "user"}], "stream_options": {"include_usage": True}},
+     "stream_options"),
+])
+def test_bad_chat_requests_name_the_field(body, param):
+    error = error_of(proto.parse_chat, body, CATALOG)
+    assert error.status == 400 and error.param == param
+
+
+def test_sse_framing():
+    assert proto.sse({"a": 1}) == b'data: {"a":1}\n\n'
+    assert proto.sse({"a": 1}, event="x") == b'event: x\ndata: {"a":1}\n\n'
+    assert proto.SSE_DONE == b"data: [DONE]\n\n"
+
+
+# ------------------------------------------------------------------------------------ streaming
+def test_the_stable_prefix_follows_windows_in_order():
+    assert stable_prefix([" Hello wor", " Later"], [False, False]) == "Hello wor"
+    assert stable_prefix([" Hello world.", " Later"], [True, False]) == "Hello world. Later"
+    assert stable_prefix([" Hello world.", ""], [True, False]) == "Hello world."
+    assert stable_prefix([" caf\ufffd"], [False]) == "caf"  # half a UTF-8 character waits
+    assert text_delta("Hello", "Hello world") == " world" and text_delta("Hello", "Help") == ""
+
+
+class FakeTokenizer:
+    eot = 100
+
+    def decode(self, ids):
+        return "".join(f" w{i}" for i in ids)
+
+
+def fake_group(script):
+    """A decode_group that 'decodes' each window to its scripted tokens, one token per step."""
+    def group(features, prompts, bounds, on_step):
+        windows = [script[int(f[0, 0])] for f in features]
+        state = GreedyBatch(prompts, FakeTokenizer.eot, bounds, np.zeros(200, np.float32))
+        step = 0
+        while not state.done:
+            logits = np.full((len(state.active), 200), -1.0, np.float32)
+            for row, window in enumerate(state.active):
+                tokens = windows[window]
+                logits[row, tokens[step] if step < len(tokens) else FakeTokenizer.eot] = 1.0
+            rows = state.advance(logits)
+            on_step(state)
+            step += 1
+            del rows
+        return state.tokens
+    return group
+
+
+def job(*window_ids, partials=True):
+    features = np.zeros((len(window_ids), 1, 1), np.float32)
+    features[:, 0, 0] = window_ids
+    spans = [(30.0 * i, 30.0 * (i + 1)) for i in range(len(window_ids))]
+    return StreamJob(features, spans, [1, 2, 3, 4], 50, partials)
+
+
+def run_stream(jobs, script, group_size=64, cancelled=lambda i: False):
+    sent = []
+    StreamDecode(FakeTokenizer(), jobs, group_size, fake_group(script),
+                 lambda i, outputs, final: sent.append((i, outputs["delta"][0, 0].decode(),
+                                                        outputs["transcript"][0, 0].decode(), final,
+                                                        json.loads(outputs["segments"][0, 0]))),
+                 cancelled).run()
+    return sent
+
+
+def test_partials_then_one_final_per_request_and_the_deltas_add_up_to_the_transcript():
+    script = {0: [1, 2, 3], 1: [4, 5], 2: [6]}
+    sent = run_stream([job(0, 1), None, job(2)], script)
+    for index, expected in ((0, "w1 w2 w3 w4 w5"), (2, "w6")):
+        mine = [s for s in sent if s[0] == index]
+        assert [s[3] for s in mine] == [False] * (len(mine) - 1) + [True]
+        assert "".join(s[1] for s in mine) == expected == mine[-1][2]
+        assert len(mine) > 1  # partials were sent
+    final = [s for s in sent if s[0] == 0][-1]
+    assert [(seg["start"], seg["end"], seg["text"]) for seg in final[4]] == [(0.0, 30.0, "w1 w2 w3"),
+                                                                          (30.0, 60.0, "w4 w5")]
+    # window 1's text never came before window 0 finished
+    partial_texts = [s[2] for s in sent if s[0] == 0 and not s[3]]
+    assert all(t.startswith("w1") for t in partial_texts)
+
+
+def test_without_partials_only_the_final_response_is_sent_and_groups_are_respected():
+    sent = run_stream([job(0, 1, partials=False)], {0: [1, 2], 1: [3]}, group_size=1)
+    assert [(s[1], s[3]) for s in sent] == [("w1 w2 w3", True)]
+
+
+def test_a_cancelled_request_stops_decoding_and_gets_one_empty_final_response(monkeypatch):
+    from triton_pipelines import speech
+
+    monkeypatch.setattr(speech, "CANCEL_CHECK_S", 0.0)  # ask at every step (a real step takes ms)
+    steps = []
+    script = {0: list(range(1, 40)), 1: [7, 8]}
+    sent = run_stream([job(0), job(1)], script, cancelled=lambda i: i == 0 and len(steps.append(1) or steps) > 3)
+    mine = [s for s in sent if s[0] == 0]
+    assert mine[-1][3] and mine[-1][2] == "" and len(mine) < 10
+    other = [s for s in sent if s[0] == 1]
+    assert other[-1][2] == "w7 w8"
+
+
+# ------------------------------------------------------------------------------------ the server's pieces
+def test_triton_failures_map_to_openai_errors():
+    from tritonclient.utils import InferenceServerException
+
+    from triton_pipelines.openai_server import triton_error
+
+    def failure(message, status):
+        return triton_error(InferenceServerException(message, status=status), "audio")
+
+    bad = failure("invalid input: input 'audio'[0] is not a decodable audio file", "StatusCode.INVALID_ARGUMENT")
+    assert bad.status == 400 and bad.param == "file" and "not a decodable audio file" in bad.message
+    assert failure("Request for unknown model: 'x' is not found", "StatusCode.NOT_FOUND").status == 503
+    assert failure("Deadline Exceeded", "StatusCode.DEADLINE_EXCEEDED").status == 504
+    dead = failure("Failed to process the request(s) for model 'a_0_0', message: Stub process 'a_0_0' is not "
+                   "healthy.", "StatusCode.INTERNAL")
+    assert dead.status == 503 and "restarting" in dead.message
+    assert failure("boom", "StatusCode.INTERNAL").status == 500
+
+
+def test_metrics_label_known_models_only_and_render_prometheus_text():
+    from triton_pipelines.openai_server import Metrics
+    from triton_pipelines.prometheus_text import parse_samples, total
+
+    metrics = Metrics({"text_embedding"})
+    metrics.observe("/v1/embeddings", "text_embedding", 200, 0.02)
+    metrics.observe("/v1/embeddings", "sk-secret-typed-as-a-model", 404, 0.001)
+    metrics.streamed("/v1/audio/transcriptions", "text_embedding")
+    text = metrics.render()
+    assert "sk-secret" not in text
+    samples = parse_samples(text)
+    assert total(samples, "openai_streamed_responses_total") == 1
+    assert 'openai_requests_total{endpoint="/v1/embeddings",model="other",code="404"} 1' in text
+    assert 'openai_request_duration_seconds_bucket{endpoint="/v1/embeddings",model="text_embedding",le="0.025"} 1' \
+        in text
+
+
+def test_cancellation_is_asked_at_most_every_check_interval():
+    asked = []
+    run_stream([job(0)], {0: list(range(1, 30))}, cancelled=lambda i: asked.append(i) or False)
+    assert 1 <= len(asked) <= 2  # 29 steps within well under 0.1 s
