@@ -708,20 +708,10 @@ def _port(flag_value: int | None, env_name: str, default: int) -> int:
 
 
 def shm_shortfall(model_repository: Path, replicas: int = 1, shm: str = "/dev/shm") -> str | None:
-    """A warning when /dev/shm is smaller than what the repository's Python-backend stubs may hold
-    at full batches (the builder records it in ``.built``): past that, a request fails with the
-    stub unable to grow its region instead of being served."""
-    try:
-        needed = (BuiltManifest.read(model_repository).shm_bytes or 0) * replicas
-        size = shm_capacity(shm)
-    except (OSError, ValueError):
-        return None
-    if needed <= size:
-        return None
-    return (f"WARNING: {shm} holds {size / 2**30:.1f} GiB; the Python-backend stubs may need up to "
-            f"{needed / 2**30:.1f} GiB at full batches ({replicas} replica(s); `python -m repo_builder plan --shm` "
-            f"itemizes it). Raise it: docker compose TRITON_SHM_SIZE, Kubernetes the dshm volume's sizeLimit, "
-            f"docker run --shm-size")
+    """The warning when /dev/shm is smaller than the stubs may hold: ``layout.shm_shortfall``."""
+    from . import layout
+
+    return layout.shm_shortfall(model_repository, replicas, shm)
 
 
 def main(argv: list[str] | None = None) -> int:
