@@ -13,13 +13,20 @@ ways run with the same flags, the same proxy, the same supervision and the same 
 
 What runs:
 
-- ``tritonserver`` on loopback ports of its own, with the control APIs restricted by a key
-  (``control.py``), explicit model control and every model loaded at start;
+- ``tritonserver`` (``--replicas`` of them) on loopback ports of its own, with the control APIs
+  restricted by a key (``control.py``), explicit model control and every model loaded at start
+  (``tritonserver.py``), each with its request screen (``screen_server.py``);
 - nginx on the public ports (``proxy.py``): body limits before Triton reads anything, control APIs
   refused; it listens on 127.0.0.1 unless ``--listen-address`` / ``$TRITON_LISTEN_ADDRESS`` says
   otherwise;
-- the supervisor (``supervisor.py``): a dead Python stub gets its model reloaded; if tritonserver
-  itself dies, its orphaned stubs and shared memory are removed and it is started again; nginx too.
+- the status server behind the public ``/metrics`` and ``/v2/health`` (``status_server.py``);
+- supervision: a thread calls ``ReplicaSet.reconcile()`` every second (``replicas.py``), one pass
+  that never waits: a dead Python stub gets its model reloaded (``stub_watchdog.py``); if
+  tritonserver itself dies, its orphaned stubs and shared memory are removed and it is started
+  again; a dead screen or nginx too; nginx routes to the healthy replicas.
+
+This module is the CLI and the wiring: temporary folders, the key and the state file
+(``server_state.py``), the status server, the replicas, nginx, warm-up, retire and stop.
 
 Ctrl-C / SIGTERM drain the server first (models are unloaded top-down, so requests in flight,
 ensembles included, finish: see ``drain.py``), then SIGTERM stops it (``--exit-timeout-secs``).
