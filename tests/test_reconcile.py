@@ -101,17 +101,21 @@ class FakeMachine:
         self.servers: list[FakeProcess] = []
         self.screens: list[FakeProcess] = []
         self.leftovers: list[tuple[int, str]] = []
+        self.screens_listen = True  # a new screen's ports accept connections at once
 
     def start_server(self, replica):
         self.servers.append(FakeProcess(f"tritonserver {replica.label}"))
         return self.servers[-1]
 
     def start_screen(self, replica):
-        self.screens.append(FakeProcess(f"screen {replica.label}"))
+        self.screens.append(FakeProcess(f"screen {replica.label}", ready=self.screens_listen))
         return self.screens[-1]
 
     def server_ready(self, replica):
         return replica.process.poll() is None and replica.process.ready
+
+    def screen_listening(self, replica):
+        return replica.screen.ready
 
     def remove_leftovers(self, server_pid, shm_prefix):
         self.leftovers.append((server_pid, shm_prefix))
@@ -332,6 +336,20 @@ def test_a_dead_nginx_is_restarted_and_counted():
     assert rig.proxy.restarts == 1 and rig.metrics.proxy_restarts == 1 and rig.proxy.alive()
     assert "nginx exited with code 1; restarting it" in rig.log()
     assert rig.states() == [ReplicaState.READY]
+
+
+def test_a_restarted_request_screen_counts_once_it_listens():
+    """Readiness must not say yes while nginx would find no screen to send a request to."""
+    rig = Rig(1)
+    replica = rig.replicas[0]
+    replica.screen.die(-9)
+    assert rig.set.not_ready_reasons() == ["the request screen is not running (restarting)"]
+    rig.machine.screens_listen = False
+    rig.set.reconcile()
+    assert rig.metrics.screen_restarts == 1 and replica.screen_alive() and not replica.healthy()
+    assert rig.set.not_ready_reasons() == ["the request screen is starting"]
+    replica.screen.ready = True  # it listens now
+    assert replica.healthy() and rig.set.not_ready_reasons() == []
 
 
 def test_a_dead_request_screen_is_restarted_whatever_the_replica_is_doing():

@@ -34,6 +34,7 @@ from __future__ import annotations
 import enum
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -86,6 +87,7 @@ class ReplicaProcesses(Protocol):
     def start_server(self, replica: "Replica") -> Process: ...
     def start_screen(self, replica: "Replica") -> Process: ...
     def server_ready(self, replica: "Replica") -> bool: ...
+    def screen_listening(self, replica: "Replica") -> bool: ...
     def remove_leftovers(self, server_pid: int, shm_prefix: str) -> tuple[int, int]: ...
     def watchdog(self, replica: "Replica") -> StubWatchdog: ...
 
@@ -144,6 +146,14 @@ class TritonProcesses:
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
             return False
 
+    def screen_listening(self, replica: "Replica") -> bool:
+        """The screen opens its HTTP port, then its gRPC port: a connection to the latter says both listen."""
+        try:
+            socket.create_connection((LOOPBACK, replica.screen_ports[1]), timeout=0.5).close()
+            return True
+        except OSError:
+            return False
+
     def remove_leftovers(self, server_pid: int, shm_prefix: str) -> tuple[int, int]:
         return remove_leftovers(server_pid, shm_prefix)
 
@@ -178,6 +188,7 @@ class Replica:
         self.started_at = clock()
         self.process = processes.start_server(self)
         self.screen = processes.start_screen(self)
+        self.screen_listens = False  # once its ports accept connections (a new screen takes a moment)
 
     # ------------------------------------------------------------------------- looking
     @property
@@ -193,13 +204,21 @@ class Replica:
     def screen_alive(self) -> bool:
         return self.screen.poll() is None
 
+    def screen_up(self) -> bool:
+        """Its request screen runs and listens (probed until it does once, then only polled)."""
+        if not self.screen_alive():
+            return False
+        if not self.screen_listens:
+            self.screen_listens = self.processes.screen_listening(self)
+        return self.screen_listens
+
     def triton_ready(self) -> bool:
         return self.processes.server_ready(self)
 
     def healthy(self) -> bool:
         """Fit to be sent requests: in service, running, ready, every Python stub alive (as of now, not
         only as of the watchdog's last pass)."""
-        return (self.state in IN_SERVICE and self.alive() and self.screen_alive() and not self.watchdog.dead
+        return (self.state in IN_SERVICE and self.alive() and self.screen_up() and not self.watchdog.dead
                 and not self.watchdog.missing_now() and self.triton_ready())
 
     def problems(self) -> list[str]:
@@ -210,6 +229,10 @@ class Replica:
                 or not self.alive()):
             return ["tritonserver is not running (restarting)"]
         problems = self.watchdog.problems()
+        if not self.screen_alive():
+            problems.append("the request screen is not running (restarting)")
+        elif not self.screen_up():
+            problems.append("the request screen is starting")
         if not self.triton_ready():
             problems.append("tritonserver is not ready (models loading or unloading)")
         return problems
@@ -262,6 +285,7 @@ class Replica:
         self.log(f"the request screen{self._which()} exited with code {self.screen.returncode}; restarting it")
         with self.metrics.lock:
             self.metrics.screen_restarts += 1
+        self.screen_listens = False
         self.screen = self.processes.start_screen(self)
 
     def _crashed(self, now: float) -> None:
