@@ -19,13 +19,16 @@ A ``Replica`` is one tritonserver on loopback ports of its own, its request scre
 One pass (``ReplicaSet.reconcile``): nginx dead → restarted; then for each replica in service, a
 dead request screen → restarted, and its state advanced as above; then nginx routes to the healthy
 replicas (all of them if none is) with a graceful reload it does not wait for; then a repair starts
-for each DEGRADED replica that has none running. Every step is a process poll, a /proc scan, a
+for each DEGRADED replica that has none running. A replica is healthy (routed, and ready for
+``/v2/health/ready``) when it is in service, running, Triton is ready, no stub is dead as of a
+/proc scan at that moment, and its screen runs and listens. Every step is a process poll, a /proc scan, a
 spawn or one short HTTP call: the waits (backoff, start-up, a model reload, warm-up) are deadlines
 checked on later passes or threads whose end a later pass notices, so one replica's restart never
 stops the others' watching, nginx's, or routing.
 
 The outside world is injected: the clock, the process factory (``ReplicaProcesses``: spawn the
-server and the screen, probe readiness, remove leftovers, make the watchdog) and how a background
+server and the screen, probe Triton's readiness and the screen's ports, remove leftovers, make
+the watchdog) and how a background
 task runs (``submit``), so ``tests/test_reconcile.py`` runs passes against fakes.
 """
 
