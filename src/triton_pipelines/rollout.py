@@ -60,6 +60,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
 from .control import STATE_ENV, ControlClient, ControlError
+from .server_state import ServerState
 from .rollout_plan import (Action, Family, Gate, Hold, LoadEnsembles, LoadVersions, Metrics, Pin, Retire,
                            RolloutError, Settle, StepReport, WaitDrained, WaitUnloaded, Warm, WriteSplit,
                            check_steps, judge, measure, plan_move, route_table, served)
@@ -412,15 +413,14 @@ class Rollout:
 def connect(state_dir: Path | None) -> tuple[ControlClient, str]:
     """The running launcher's control endpoint and Triton's own metrics URL (from ``server.json``)."""
     control = ControlClient.from_state(state_dir)
-    directory = Path(state_dir or os.environ.get(STATE_ENV) or Path(".triton") / "8000")
-    server = json.loads((directory / "server.json").read_text())
-    if len(server.get("replicas", [])) > 1:
+    server = ServerState.read(state_dir)
+    if len(server.replicas) > 1:
         # Each replica is its own tritonserver with its own loaded versions: a rollout moving one of
         # them would leave nginx's round robin serving a mix.
-        raise RolloutError(f"the launcher runs {len(server['replicas'])} replicas; a rollout moves one server's "
+        raise RolloutError(f"the launcher runs {len(server.replicas)} replicas; a rollout moves one server's "
                            "versions: run it with --replicas 1 (several machines: one rollout per machine, "
                            "out of the load balancer while it runs)")
-    return control, f"http://{server['triton_metrics']}/metrics"
+    return control, f"http://{server.triton_metrics}/metrics"
 
 
 def main(argv: list[str] | None = None) -> int:
