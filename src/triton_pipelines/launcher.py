@@ -269,18 +269,13 @@ class Launcher:
     def _warm_replica(self, replica: Replica) -> list:
         """One request through every loaded ensemble of ``replica`` (model_warmup warms compute
         models at load; an ensemble and the Python steps behind it have no warm-up by config)."""
-        from .client import TritonClient
-        from .warmup import warm_pipelines
+        from .warmup import warm_server
 
         control = replica.control
         ensembles = [entry["name"] for entry in control.index(ready_only=True)
                      if control.config(entry["name"]).get("platform") == "ensemble"]
-        client = TritonClient("http", control.http_url)
-        try:
-            warmed = warm_pipelines(client, control, sorted(set(ensembles)), on_error=lambda name, error:
-                                    self.log(f"warm-up request through {name} failed: {error}"))
-        finally:
-            client.close()
+        warmed = warm_server(control, sorted(set(ensembles)), on_error=lambda name, error:
+                             self.log(f"warm-up request through {name} failed: {error}"))
         if replica.restarted:
             self.log(f"warmed {len(warmed)} pipelines of the restarted tritonserver{replica._which()} "
                      f"in {sum(w.seconds for w in warmed):.1f} s")

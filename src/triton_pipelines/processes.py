@@ -16,12 +16,6 @@ STUB_BINARY = "triton_python_backend_stub"
 SHM_DIR = Path("/dev/shm")
 
 
-def shm_capacity(folder: Path | str = SHM_DIR) -> int:
-    """Bytes the shared-memory file system holds (its size, not what is free)."""
-    stat = os.statvfs(folder)
-    return stat.f_blocks * stat.f_frsize
-
-
 def terminate_with_parent() -> None:
     """In a child before exec: SIGTERM it if the launcher dies without stopping it (Linux)."""
     import ctypes

@@ -96,7 +96,7 @@ def warm_pipelines(client, control, ensembles: Iterable[str],
 def warm_server(control, ensembles: Iterable[str],
                 on_error: Callable[[str, Exception], None] | None = None) -> list[Warmed]:
     """``warm_pipelines`` over HTTP to the server behind ``control`` (a ``ControlClient``), with a
-    client of its own, closed afterwards (the rollout's; ``Launcher.warm_pipelines`` still sets up its own)."""
+    client of its own, closed afterwards (the launcher's and the rollout's warm-ups)."""
     from .client import TritonClient
 
     client = TritonClient("http", control.http_url)
