@@ -408,7 +408,7 @@ class Launcher:
             self.routed = tuple(range(options.replicas))
             self.openai = FrontendProcess(options.model_repository,
                                           [f"{LOOPBACK}:{r.internal.grpc}" for r in self.replicas], self.log,
-                                          stdout, stderr)
+                                          stdout, stderr, spend_database_url=options.spend_database_url)
             self.openai.start()
             self.proxy = ProxyProcess(self._proxy_config(self.routed), stdout=stdout, stderr=stderr)
         except Exception:

@@ -20,13 +20,14 @@ from typing import Callable
 
 from .api_keys import keys_from_environment
 from .processes import free_ports, spawn
+from .spend_ledger import DATABASE_ENV
 
 LOOPBACK = "127.0.0.1"
 
 
 class FrontendProcess:
     def __init__(self, model_repository: Path, triton_grpc: list[str], log: Callable[[str], None],
-                 stdout=None, stderr=None, port: int | None = None):
+                 stdout=None, stderr=None, port: int | None = None, spend_database_url: str | None = None):
         self.model_repository = model_repository
         self.triton_grpc = list(triton_grpc)
         self.log = log
@@ -37,6 +38,8 @@ class FrontendProcess:
         self.process: subprocess.Popen | None = None
         # The environment of the first start (keys file, gateway variables), for every restart too.
         self.environment = dict(os.environ)
+        if spend_database_url:  # the replicas' ledger: /v1/chat/completions and the router spend one budget
+            self.environment[DATABASE_ENV] = spend_database_url
         # A keys file that is named but missing or malformed stops the launcher's start here (the
         # frontend would refuse to start, again and again), never serving /v1 open by accident.
         keys_from_environment(self.environment)
