@@ -462,6 +462,11 @@ class GatewayService:
                 chain = await self._fall_back(error, row, current, chain, attempts, started, was_open, task, api_key)
                 last_error = error
                 continue
+            except BaseException:  # closed or cancelled before the first chunk (the client left): the
+                # request went out, the figure is unknown: its reservation, now rather than when abandoned
+                await self._settle(row, "failed", cost_nusd=self._reserved(plan, current),
+                                   latency_s=time.monotonic() - started, outcome="stream_interrupted")
+                raise
             relay = self._relay(call, row, plan, current, attempts, started, api_key)
             try:
                 async for item in relay:
