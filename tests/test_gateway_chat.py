@@ -127,6 +127,12 @@ def test_a_budget_spent_on_the_router_is_seen_on_chat_completions_and_the_revers
     assert total == nano_usd(sum(costs)) and nano_usd("0.001") <= total <= nano_usd("0.001") + CALL_NUSD
     rows = ledger(setup).rows("WHERE key_name = ?", ("team-chat-first",))
     assert {r["request_id"].split("-")[0] for r in rows} == {"chatcmpl"}  # the response ids, in the ledger
+    samples = prometheus_text.parse_samples(prometheus_text.scrape(server.metrics_url))
+    assert prometheus_text.total(samples, "openai_spend_usd_total", key_name="team-chat-first") == pytest.approx(
+        float(sum(costs)))
+    assert prometheus_text.total(samples, "openai_budget_remaining_usd", key_name="team-chat-first") == 0
+    assert prometheus_text.total(samples, "openai_refusals_total", key_name="team-router-first",
+                                 reason="over_budget") == 1
 
 
 def test_rpm_counts_both_paths_and_a_model_outside_the_keys_list_is_403(server, gateway):
@@ -158,6 +164,9 @@ def test_a_429_falls_back_along_the_models_own_list_with_the_reason_in_the_respo
     assert [(r["model"], r["status"], r["fallback_reason"]) for r in rows] == [
         ("gemini-2.5-flash", "failed", None), ("deepseek-v3.2", "success", "rate_limited")]
     assert rows[1]["cost_nusd"] == nano_usd(raw.headers["x-request-cost-usd"]) == 11 * 420 + 7 * 1680
+    samples = prometheus_text.parse_samples(prometheus_text.scrape(server.metrics_url))
+    assert prometheus_text.total(samples, "openai_fallbacks_total", **{
+        "from": "gemini-2.5-flash", "to": "deepseek-v3.2", "reason": "rate_limited"}) == 1
 
 
 def test_a_context_window_error_goes_to_the_larger_window_model(server, gateway):

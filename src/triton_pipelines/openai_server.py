@@ -21,7 +21,9 @@ request needs a known bearer key when the file is set; the key found is ``reques
 Keys never reach logs, metrics, responses or the ledger (a hash and the name).
 Metrics (``GET /metrics`` on the loopback port; the launcher appends them to the public
 ``:8002/metrics``): ``openai_requests_total``, ``openai_request_duration_seconds``,
-``openai_streamed_responses_total``, ``openai_stream_disconnects_total``.
+``openai_streamed_responses_total``, ``openai_stream_disconnects_total``; chat's gateway figures
+``openai_spend_usd_total``, ``openai_budget_remaining_usd``, ``openai_fallbacks_total``,
+``openai_cooldowns_total``, ``openai_refusals_total`` (the router's are ``router_*``).
 """
 
 from __future__ import annotations
@@ -68,6 +70,34 @@ class Metrics:
         self.disconnects: Counter = Counter()
         self.buckets: dict[tuple[str, str], list[int]] = {}
         self.sums: Counter = Counter()
+        # GatewayService's spend recorder (gateway_service.SpendRecorder): /v1 chat's share
+        self.spent: Counter = Counter()
+        self.fallbacks: Counter = Counter()
+        self.cooldowns: Counter = Counter()
+        self.refusals: Counter = Counter()
+        self.budgets: dict[str, float] = {}
+
+    def spend(self, key_name: str, model: str, cost_usd: float) -> None:
+        with self.lock:
+            self.spent[(key_name, model)] += cost_usd
+
+    def budget(self, key_name: str, remaining_usd: float | None, window_spend_usd: float,
+               soft_budget_usd: float | None) -> None:
+        if remaining_usd is not None:
+            with self.lock:
+                self.budgets[key_name] = remaining_usd
+
+    def fallback(self, from_model: str, to_model: str, reason: str) -> None:
+        with self.lock:
+            self.fallbacks[(from_model, to_model, reason)] += 1
+
+    def cooldown(self, model: str) -> None:
+        with self.lock:
+            self.cooldowns[model] += 1
+
+    def refusal(self, key_name: str, reason: str) -> None:
+        with self.lock:
+            self.refusals[(key_name, reason)] += 1
 
     def model_label(self, model) -> str:
         return model if isinstance(model, str) and model in self.known else ("" if model is None else "other")
@@ -109,6 +139,24 @@ class Metrics:
                       "Triton stream was cancelled)", "# TYPE openai_stream_disconnects_total counter"]
             lines += [f'openai_stream_disconnects_total{{endpoint="{e}",model="{m}"}} {n}'
                       for (e, m), n in sorted(self.disconnects.items())]
+            lines += ["# HELP openai_spend_usd_total settled spend of /v1/chat/completions by key name and model "
+                      "(the router's: router_spend_usd_total)", "# TYPE openai_spend_usd_total counter"]
+            lines += [f'openai_spend_usd_total{{key_name="{k}",model="{m}"}} {v:.9f}'
+                      for (k, m), v in sorted(self.spent.items())]
+            lines += ["# HELP openai_budget_remaining_usd a key's budget less spend and reservations in its window "
+                      "(the shared ledger, read after each /v1 chat call)", "# TYPE openai_budget_remaining_usd gauge"]
+            lines += [f'openai_budget_remaining_usd{{key_name="{k}"}} {v:.9f}' for k, v in sorted(self.budgets.items())]
+            lines += ["# HELP openai_fallbacks_total /v1 chat completions answered by another model than asked",
+                      "# TYPE openai_fallbacks_total counter"]
+            lines += [f'openai_fallbacks_total{{from="{f}",to="{t}",reason="{r}"}} {n}'
+                      for (f, t, r), n in sorted(self.fallbacks.items())]
+            lines += ["# HELP openai_cooldowns_total times a gateway model's circuit opened in this frontend",
+                      "# TYPE openai_cooldowns_total counter"]
+            lines += [f'openai_cooldowns_total{{model="{m}"}} {n}' for m, n in sorted(self.cooldowns.items())]
+            lines += ["# HELP openai_refusals_total /v1 chat completions refused by a key's limits or models",
+                      "# TYPE openai_refusals_total counter"]
+            lines += [f'openai_refusals_total{{key_name="{k}",reason="{r}"}} {n}'
+                      for (k, r), n in sorted(self.refusals.items())]
         return "\n".join(lines) + "\n"
 
 
@@ -595,6 +643,9 @@ async def serve(args: argparse.Namespace) -> None:
     keys = gateway.keys if gateway is not None else keys_from_environment()
     triton = Triton(args.triton_grpc)
     frontend = Frontend(triton, catalog, keys, token_counter(args.model_repository), gateway, LANGUAGE_CODES)
+    if gateway is not None:
+        gateway.recorder = frontend.metrics  # spend, budgets, fallbacks, cooldowns, refusals of /v1 chat
+        gateway.publish_budgets()
     runner = web.AppRunner(frontend.app(), access_log=None, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, args.listen, args.port, backlog=1024)
