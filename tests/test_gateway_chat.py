@@ -233,3 +233,21 @@ def test_no_key_in_logs_metrics_responses_or_the_ledger(server, setup):
     log = setup[3].read_text(errors="replace")
     for secret in list(SECRETS.values()) + [GATEWAY_KEY]:
         assert secret not in log
+
+
+def test_a_client_that_leaves_a_call_does_not_cancel_it_and_it_is_settled_at_its_real_cost(
+        server, gateway, setup):
+    before = max((r["id"] for r in ledger(setup).rows()), default=0)
+    gateway.default = Reply(delay_s=1.5)
+    impatient = openai.OpenAI(base_url=f"http://{server.http_url}/v1", api_key=SECRETS["open"], max_retries=0,
+                              timeout=0.5)
+    with pytest.raises(openai.APITimeoutError):
+        impatient.chat.completions.create(model="deepseek-v3.2", messages=HI)
+    deadline = time.monotonic() + 20
+    while True:
+        (row,) = ledger(setup).rows("WHERE id > ?", (before,))
+        if row["status"] != "reserved":
+            break
+        assert time.monotonic() < deadline, row
+        time.sleep(0.2)
+    assert (row["status"], row["cost_nusd"]) == ("success", 11 * 420 + 7 * 1680)  # not its reservation
