@@ -1,15 +1,13 @@
 """Work budgets (no server): each hostile file class is refused by a cheap check before decoding,
 quickly, with a message naming the problem; good files of the same formats still pass; the limits
-in the model configs are the Python defaults."""
+in the built model configs are the Python constants, which the builder writes there."""
 
 from __future__ import annotations
 
 import io
-import re
 import struct
 import time
 from dataclasses import fields
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,12 +19,27 @@ from triton_pipelines.vision import PreprocessConfig, preprocess_image
 
 from . import hostile_files as hostile
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 def config_parameters(model: str) -> dict[str, str]:
-    text = (ROOT / "python_models" / model / "config.pbtxt").read_text()
-    return dict(re.findall(r'key: "(\w+)" value: \{ string_value: "([^"]*)" \}', text))
+    """What the builder writes into a Python model's config from the runtime's constants."""
+    from repo_builder.pipeline import parameter_text
+    from triton_pipelines import speech, text, vision
+
+    owners = {name: values for module in (speech, text, vision) for name, values in module.CONFIG_PARAMETERS.items()}
+    return {key: parameter_text(value) for key, value in owners[model].items()}
+
+
+def test_the_built_configs_hold_the_runtime_constants():
+    """The one owner of each limit is its Python constant; the built config carries it (the source
+    config names none of them: tests/test_configs.py)."""
+    from repo_builder.files import read_config
+
+    from .conftest import ensure_repository
+
+    for model in ("image_preprocess", "classification_postprocess", "text_tokenizer", "audio_features",
+                  "whisper_decode", "speech_recognition_stream"):
+        built = read_config(ensure_repository() / model / "config.pbtxt").parameters
+        assert {k: built[k].string_value for k in config_parameters(model)} == config_parameters(model), model
 
 
 def refused_fast(data: bytes, match: str, config: PreprocessConfig = PreprocessConfig()) -> None:
@@ -37,6 +50,7 @@ def refused_fast(data: bytes, match: str, config: PreprocessConfig = PreprocessC
 
 
 def test_image_preprocess_config_holds_the_python_defaults():
+    """The adapter reads back PreprocessConfig's defaults from what the builder writes."""
     parameters = config_parameters("image_preprocess")
     for field in fields(PreprocessConfig):
         if field.name.startswith("max_"):

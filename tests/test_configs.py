@@ -46,7 +46,7 @@ def written_by_builder(source: mc.ModelConfig, pipeline, context) -> set[tuple[s
         tensor.dims.extend([SENTINEL_DIM] * count)
     for key in probe.parameters:
         probe.parameters[key].string_value = SENTINEL_VALUE
-    pipeline.patch_config(probe, context)
+    pipeline.configure(probe, context)
     written = {("parameter", key, 0) for key, value in probe.parameters.items() if value.string_value != SENTINEL_VALUE}
     return written | {("dims", tensor.name, index) for tensor in [*probe.input, *probe.output]
                       for index, dim in enumerate(tensor.dims) if dim != SENTINEL_DIM}
@@ -73,6 +73,10 @@ def test_source_configs_hold_no_value_the_builder_writes(target):
             assert "# builder" in line, f"{path}: mark the line of {name} with '# builder'"
     assert {("whisper_decode", "vocab_size"), ("whisper_decode", "input_features"),
             ("embedding_pooler", "embedding"), ("audio_features", "n_mels")} <= found
+    # the input limits and request defaults, from the runtime modules' CONFIG_PARAMETERS
+    assert {("image_preprocess", "max_image_pixels"), ("classification_postprocess", "max_top_k"),
+            ("text_tokenizer", "max_text_bytes"), ("audio_features", "max_audio_seconds"),
+            ("whisper_decode", "max_new_tokens")} <= found
 
 
 @pytest.mark.parametrize("target", TARGETS)

@@ -14,6 +14,7 @@ from repo_builder.__main__ import parse_context
 from repo_builder.plan import GiB, MiB, Repository, shm_size_text
 from repo_builder.repository import planned_shm
 from triton_pipelines.launcher import shm_shortfall
+from triton_pipelines.layout import ShmCheck, shm_capacity
 
 from .conftest import PROJECT_ROOT, ensure_repository
 
@@ -59,3 +60,17 @@ def test_the_launcher_warns_when_dev_shm_is_smaller(tmp_path):
     assert warning and "128.0 GiB" in warning and "TRITON_SHM_SIZE" in warning
     (tmp_path / ".built").write_text(json.dumps({"shm_bytes": 1}))
     assert shm_shortfall(tmp_path) is None
+
+
+def test_one_check_says_it_for_the_planner_and_the_launcher(tmp_path):
+    """layout.ShmCheck: the planner's --check note and the launcher's warning (launcher.shm_shortfall)."""
+    short = ShmCheck(size=GiB, needed=3 * GiB, replicas=2)
+    assert not short.fits
+    assert short.note() == ("note: /dev/shm (1.00 GiB) is SMALLER than what the Python-backend stubs may hold at full "
+                            "batches (3.00 GiB; `python -m repo_builder plan --shm` itemizes it)")
+    assert short.warning().startswith("WARNING: /dev/shm holds 1.0 GiB; the Python-backend stubs may need up to 3.0 "
+                                      "GiB at full batches (2 replica(s);")
+    enough = ShmCheck(size=3 * GiB, needed=3 * GiB)
+    assert enough.fits and enough.warning() is None and "(3.00 GiB) holds what" in enough.note()
+    measured = ShmCheck.measure(5, str(tmp_path), replicas=3)
+    assert (measured.size, measured.needed, measured.folder) == (shm_capacity(tmp_path), 15, str(tmp_path))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Mapping
 
 from tritonclient.grpc import model_config_pb2 as mc
 
@@ -37,6 +38,10 @@ class Pipeline:
     entry_points: tuple[str, ...] = ()
     # Latency classes of Python models that drive compute models through BLS (see variants.py).
     python_latency_variants: dict[str, tuple[LatencyVariant, ...]] = {}
+    # Python model → the config parameters the builder writes from the runtime module's constants
+    # (e.g. ``triton_pipelines.vision.CONFIG_PARAMETERS``: input limits and request defaults), the
+    # one place those values live; the source configs leave them out.
+    runtime_parameters: Mapping[str, Mapping[str, object]] = {}
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,10 +54,17 @@ class Pipeline:
         """Called with every pipeline's compute models (e.g. the router adds canary versions)."""
         return model
 
+    def configure(self, config: mc.ModelConfig, context: BuildContext) -> None:
+        """Everything the builder writes into a hand-written config: ``runtime_parameters``, then
+        ``patch_config``. The hand-written sources leave these values out, or -1 on a line marked
+        ``# builder`` (tests/test_configs.py checks it)."""
+        for key, value in self.runtime_parameters.get(config.name, {}).items():
+            config.parameters[key].string_value = parameter_text(value)
+        self.patch_config(config, context)
+
     def patch_config(self, config: mc.ModelConfig, context: BuildContext) -> None:
         """Write into a Python model's or ensemble's config what depends on what was built (e.g. the
-        embedding width). The hand-written sources leave these values out, or -1 on a line marked
-        ``# builder`` (tests/test_configs.py checks it)."""
+        embedding width)."""
 
     def write_assets(self, model_name: str, version_dir: Path, context: BuildContext) -> None:
         """Put the files a Python model loads at ``initialize`` into its version folder.
@@ -62,3 +74,15 @@ class Pipeline:
         """What was built from which weights (model, architecture, weights), recorded in the
         repository's ``.built`` (the speech tests read it to tell real weights from random ones)."""
         return []
+
+
+def parameter_text(value: object) -> str:
+    """A config parameter's string: ``true``/``false``, a whole float without its ``.0``, a sequence
+    comma-separated (what the Python models parse back)."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    if isinstance(value, (tuple, list)):
+        return ",".join(parameter_text(v) for v in value)
+    return str(value)

@@ -42,7 +42,7 @@ from pathlib import Path
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from triton_pipelines.layout import PYTHON_SHM_DEFAULT_BYTES, PYTHON_SHM_GROWTH_BYTES, BuiltManifest
+from triton_pipelines.layout import PYTHON_SHM_DEFAULT_BYTES, PYTHON_SHM_GROWTH_BYTES, BuiltManifest, ShmCheck
 
 
 MiB = 1 << 20
@@ -571,17 +571,6 @@ def shm_report(needs: dict[str, int]) -> str:
     return "\n".join(lines)
 
 
-def shm_check(total: int, shm: str = "/dev/shm") -> str:
-    """One line for ``--check``: /dev/shm against the stubs' need (a note, not a failure: the need is
-    the worst case of every stub at a full batch at once)."""
-    from triton_pipelines.processes import shm_capacity
-
-    size = shm_capacity(shm)
-    verdict = "holds" if size >= total else "is SMALLER than"
-    return (f"note: {shm} ({gib(size)} GiB) {verdict} what the Python-backend stubs may hold at full batches "
-            f"({gib(total)} GiB; `python -m repo_builder plan --shm` itemizes it)")
-
-
 def host_memory(field_name: str = "MemTotal") -> int:
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith(field_name + ":"):
@@ -636,7 +625,7 @@ def main(argv: list[str] | None = None) -> int:
         report, fits = host_report(repository, instances, args.host_memory or host_memory())
     if args.check:
         report = "\n".join(line for line in report.splitlines() if line.startswith(("FITS", "DOES NOT FIT", "note:", "  ")))
-        report += "\n" + shm_check(sum(repository.shm_needs().values()))
+        report += "\n" + ShmCheck.measure(sum(repository.shm_needs().values())).note()
         report = "[plan] " + report.replace("\n", "\n[plan] ")
     print(report)
     return 0 if fits or not args.check else 1

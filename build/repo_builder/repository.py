@@ -102,7 +102,7 @@ def build_python_model(name: str, pipeline: Pipeline, context: BuildContext) -> 
     version_dir = model_dir / "1"
     version_dir.mkdir(parents=True, exist_ok=True)
     config = read_config(source / "config.pbtxt")
-    pipeline.patch_config(config, context)
+    pipeline.configure(config, context)
     write_config(model_dir / "config.pbtxt", config)
     shutil.copy2(source / "model.py", version_dir / "model.py")
     pipeline.write_assets(name, version_dir, context)
@@ -111,7 +111,7 @@ def build_python_model(name: str, pipeline: Pipeline, context: BuildContext) -> 
 def build_ensemble(name: str, pipeline: Pipeline, context: BuildContext) -> None:
     model_dir = context.output / name
     config = read_config(context.root / "ensembles" / name / "config.pbtxt")
-    pipeline.patch_config(config, context)
+    pipeline.configure(config, context)
     write_config(model_dir / "config.pbtxt", config)
     (model_dir / "1").mkdir(exist_ok=True)  # Triton needs a version folder, even an empty one
 
@@ -141,7 +141,7 @@ def planned_shm(context: BuildContext, pipelines: list[Pipeline]) -> dict[str, i
     for pipeline in pipelines:
         for name in pipeline.python_models:
             config = read_config(context.root / "python_models" / name / "config.pbtxt")
-            pipeline.patch_config(config, context)
+            pipeline.configure(config, context)
             configs[name] = config
             for variant in pipeline.python_latency_variants.get(name, ()):
                 renamed = type(config)()

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from tritonclient.grpc import model_config_pb2 as mc
 
+from triton_pipelines import speech
 from triton_pipelines.speech import cross_names
 
 from .compute import ComputeModel, LatencyVariant, TensorSpec
@@ -104,6 +105,7 @@ def decoder_model(source: WhisperSource) -> ComputeModel:
 
 class SpeechPipeline(Pipeline):
     python_models = ("audio_features", "whisper_decode", "speech_recognition_stream")
+    runtime_parameters = speech.CONFIG_PARAMETERS
     ensembles = ("speech_recognition",)
     # The decoupled streaming pipeline (partial transcripts on gRPC ModelStreamInfer) is one Python model.
     entry_points = ("speech_recognition_stream",)

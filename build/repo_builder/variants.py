@@ -33,6 +33,7 @@ from typing import Callable
 
 from tritonclient.grpc import model_config_pb2 as mc
 
+from triton_pipelines.ensemble_graph import EnsembleGraph
 from triton_pipelines.layout import STABLE_VERSION, variant_name
 
 from .compute import ComputeModel, LatencyVariant
@@ -156,16 +157,10 @@ class EnsembleVariants:
         # Every model with latency variants: compute models and BLS-loop Python models.
         self.variants = {m.name: m.latency_variants for m in compute_models} | (python_variants or {})
         self.configs = {name: read_config(context.output / name / "config.pbtxt") for name in ensembles}
-        self.reaches = {name: self._reach(name, ()) for name in self.configs}
-
-    def _reach(self, name: str, seen: tuple[str, ...]) -> set[str]:
-        found: set[str] = set()
-        for step in self.configs[name].ensemble_scheduling.step:
-            if step.model_name in self.variants:
-                found.add(step.model_name)
-            elif step.model_name in self.configs and step.model_name not in seen:
-                found |= self._reach(step.model_name, seen + (name,))
-        return found
+        # The models with variants each ensemble reaches through its steps and nested ensembles (the
+        # rewrite below renames steps; a BLS model's calls are its own parameters).
+        graph = EnsembleGraph.from_configs(self.configs)
+        self.reaches = {name: graph.reached(name, through_bls=False) & set(self.variants) for name in self.configs}
 
     def classes(self, name: str) -> list[str]:
         return sorted({v.suffix for m in self.reaches[name] for v in self.variants[m]})

@@ -17,6 +17,8 @@ import argparse
 from functools import partial
 from pathlib import Path
 
+from triton_pipelines import vision
+
 from .compute import GPU_BACKENDS, ComputeModel, TensorSpec
 from .export.resnet import IMAGE_SIZE, NUM_CLASSES, RANDOM_SEED, export_resnet50
 from .files import hash_files
@@ -28,6 +30,7 @@ LABELS_FILE = "labels.txt"
 
 class VisionPipeline(Pipeline):
     python_models = ("image_preprocess", "classification_postprocess")
+    runtime_parameters = vision.CONFIG_PARAMETERS
     ensembles = ("image_classification",)
 
     @staticmethod

@@ -4,8 +4,8 @@
 a request must carry the header ``triton-control-key: <key>``. The key comes from
 ``TRITON_CONTROL_KEY``; when that is unset the launcher generates one at start. Either way it is
 written to ``<state dir>/control.key`` (mode 0600) with the loopback address of Triton's own HTTP
-port in ``<state dir>/server.json``, so our tools (drain, watchdog, rollout, benchmarks, tests)
-find both. The public ports (nginx, ``proxy.py``) refuse these APIs whatever the key.
+port in ``<state dir>/server.json`` (``server_state.py``), so our tools (drain, watchdog, rollout,
+benchmarks, tests) find both. The public ports (nginx, ``proxy.py``) refuse these APIs whatever the key.
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ import urllib.request
 from pathlib import Path
 from typing import Iterable
 
+from .server_state import STATE_ENV, ServerState, read_key, resolve_state_dir  # noqa: F401 (STATE_ENV: rollout.py)
+
 CONTROL_HEADER = "triton-control-key"
 KEY_ENV = "TRITON_CONTROL_KEY"
-STATE_ENV = "TRITON_STATE_DIR"
 RESTRICTED_APIS = ("model-repository", "shared-memory", "logging", "trace")
 # tritonserver parses "<apis>:<header>=<key>": the key may not hold ':', ',' or '='.
 KEY_PATTERN = re.compile(r"^[A-Za-z0-9._~+/-]{16,256}$")
@@ -43,20 +44,6 @@ def restricted_api_flags(key: str) -> list[str]:
             f"--grpc-restricted-protocol={apis}:{CONTROL_HEADER}={key}"]
 
 
-def private_dir(path: Path) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
-    os.chmod(path, 0o700)
-    return path
-
-
-def write_private(path: Path, text: str) -> None:
-    """Create ``path`` readable by its owner only (never world-readable, not even briefly)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as handle:
-        handle.write(text)
-    os.chmod(path, 0o600)
-
-
 class ControlError(RuntimeError):
     def __init__(self, status: int, message: str):
         super().__init__(f"HTTP {status}: {message}")
@@ -72,16 +59,14 @@ class ControlClient:
         self.timeout_s = timeout_s
 
     @classmethod
-    def from_state(cls, state_dir: Path | str | None = None) -> "ControlClient":
+    def from_state(cls, directory: Path | str | None = None) -> "ControlClient":
         """The running launcher's control endpoint (``--state-dir``, ``$TRITON_STATE_DIR`` or the
-        default ``.triton/<http port 8000>``)."""
-        directory = Path(state_dir or os.environ.get(STATE_ENV) or Path(".triton") / "8000")
+        default ``.triton/<http port 8000>``: ``server_state.resolve_state_dir``)."""
         try:
-            server = json.loads((directory / "server.json").read_text())
-            key = (directory / "control.key").read_text().strip()
+            return cls(ServerState.read(directory).triton_http, read_key(directory))
         except FileNotFoundError:
-            raise RuntimeError(f"no running launcher found in {directory} (pass --state-dir or set {STATE_ENV})") from None
-        return cls(server["triton_http"], key)
+            raise RuntimeError(f"no running launcher found in {resolve_state_dir(directory)} "
+                               f"(pass --state-dir or set {STATE_ENV})") from None
 
     def request(self, path: str, body: dict | None = None, method: str | None = None,
                 timeout_s: float | None = None) -> dict | list:

@@ -8,9 +8,10 @@ but lets its in-flight ones finish while the models it calls stay loaded. So we 
 one layer at a time: first the models nothing else calls, wait until they are gone, then the next
 layer.
 
-Callers: an ensemble calls its steps' models; a Python model declares the models it calls through
-BLS in its config: ``parameters { key: "bls_dependencies" value { string_value: "a,b" } }``, or
-``"*"`` for every other model (a router).
+Callers (``ensemble_graph.EnsembleGraph``): an ensemble calls its steps' models; a Python model
+declares the models it calls through BLS in its config:
+``parameters { key: "bls_dependencies" value { string_value: "a,b" } }``, or ``"*"`` for every
+other model (a router).
 """
 
 from __future__ import annotations
@@ -19,29 +20,15 @@ import time
 from typing import Iterable, Mapping
 
 from .control import ControlClient
+from .ensemble_graph import EnsembleGraph, config_calls
 
-
-def dependencies(config: Mapping) -> set[str]:
-    """Models that a model (by its JSON config, as /v2/models/<m>/config returns it) calls."""
-    called = {step["model_name"] for step in config.get("ensemble_scheduling", {}).get("step", [])}
-    declared = config.get("parameters", {}).get("bls_dependencies", {}).get("string_value", "")
-    called |= {name.strip() for name in declared.split(",") if name.strip()}
-    return called
+# Models that a model (by its JSON config, as /v2/models/<m>/config returns it) calls.
+dependencies = config_calls
 
 
 def unload_layers(calls: Mapping[str, set[str]]) -> list[list[str]]:
     """Order models so that a model is unloaded only after every model that calls it."""
-    remaining = set(calls)
-    layers = []
-    while remaining:
-        called = set()
-        for model in remaining:
-            targets = calls[model]
-            called |= (remaining - {model}) if "*" in targets else (targets & remaining) - {model}
-        layer = sorted(remaining - called) or sorted(remaining)  # a cycle: unload the rest together
-        layers.append(layer)
-        remaining -= set(layer)
-    return layers
+    return EnsembleGraph.from_calls(calls).unload_order()
 
 
 def drain(control: ControlClient, timeout_s: float = 30.0, poll_s: float = 0.1,
@@ -51,8 +38,7 @@ def drain(control: ControlClient, timeout_s: float = 30.0, poll_s: float = 0.1,
     asked for, not waited for)."""
     deadline = time.monotonic() + timeout_s
     ready = sorted({m["name"] for m in control.index(ready_only=True)})
-    calls = {name: dependencies(control.config(name)) for name in ready}
-    layers = unload_layers(calls)
+    layers = EnsembleGraph.from_configs({name: control.config(name) for name in ready}).unload_order()
     for layer in layers:
         for name in layer:
             control.unload(name)

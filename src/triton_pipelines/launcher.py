@@ -13,13 +13,20 @@ ways run with the same flags, the same proxy, the same supervision and the same 
 
 What runs:
 
-- ``tritonserver`` on loopback ports of its own, with the control APIs restricted by a key
-  (``control.py``), explicit model control and every model loaded at start;
+- ``tritonserver`` (``--replicas`` of them) on loopback ports of its own, with the control APIs
+  restricted by a key (``control.py``), explicit model control and every model loaded at start
+  (``tritonserver.py``), each with its request screen (``screen_server.py``);
 - nginx on the public ports (``proxy.py``): body limits before Triton reads anything, control APIs
   refused; it listens on 127.0.0.1 unless ``--listen-address`` / ``$TRITON_LISTEN_ADDRESS`` says
   otherwise;
-- the supervisor (``supervisor.py``): a dead Python stub gets its model reloaded; if tritonserver
-  itself dies, its orphaned stubs and shared memory are removed and it is started again; nginx too.
+- the status server behind the public ``/metrics`` and ``/v2/health`` (``status_server.py``);
+- supervision: a thread calls ``ReplicaSet.reconcile()`` every second (``replicas.py``), one pass
+  that never waits: a dead Python stub gets its model reloaded (``stub_watchdog.py``); if
+  tritonserver itself dies, its orphaned stubs and shared memory are removed and it is started
+  again; a dead screen or nginx too; nginx routes to the healthy replicas.
+
+This module is the CLI and the wiring: temporary folders, the key and the state file
+(``server_state.py``), the status server, the replicas, nginx, warm-up, retire and stop.
 
 Ctrl-C / SIGTERM drain the server first (models are unloaded top-down, so requests in flight,
 ensembles included, finish: see ``drain.py``), then SIGTERM stops it (``--exit-timeout-secs``).
@@ -34,306 +41,32 @@ import shutil
 import signal
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from .backends import models_to_load
-from .control import (STATE_ENV, ControlClient, private_dir, resolve_key, restricted_api_flags,
-                      write_private)
-from .drain import drain
-from .layout import PYTHON_BACKEND_SHM_CONFIG, BuiltManifest
+from .control import ControlClient, resolve_key
+from .layout import BuiltManifest
 from .openai_process import FrontendProcess
-from .processes import free_ports, remove_leftovers, shm_capacity, spawn
-from .api_keys import KEY_ID_PARAMETER
-from .spend_ledger import DATABASE_ENV, database_url
+from .processes import free_ports
 from .proxy import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_JSON_BYTES, ProxyConfig, ProxyProcess,
                     default_worker_user)
-from .supervisor import LauncherMetrics, StatusServer, StubWatchdog
+from .replicas import Replica, ReplicaSet, TritonProcesses
+from .spend_ledger import database_url
+from .server_state import KEY_FILE, STATE_ENV, STATE_FILE, ServerState, private_dir, resolve_state_dir, write_private
+from .status_server import LauncherMetrics, StatusServer
+from .stub_watchdog import StubWatchdog
+# Re-exported: tests, benchmarks and tools import these from the launcher.
+from .tritonserver import (DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, DEFAULT_METRICS_PORT,  # noqa: F401
+                           LOOPBACK, METRICS_CONFIG, PYTHON_BACKEND_CONFIG, READY_TIMEOUT_ENV, READY_TIMEOUT_S,
+                           InternalPorts, ServerOptions, prepare_backend_dir, pytriton_dir, ready_timeout_s,
+                           server_command, server_environment)
 
 __all__ = ["Launcher", "ServerOptions", "start_on_free_ports", "free_ports"]
-
-DEFAULT_HTTP_PORT = 8000
-DEFAULT_GRPC_PORT = 8001
-DEFAULT_METRICS_PORT = 8002
-# Python-backend shared memory per stub (layout.PYTHON_SHM_*: the planner sizes /dev/shm with them).
-PYTHON_BACKEND_CONFIG = PYTHON_BACKEND_SHM_CONFIG
-# Latency summaries (nv_inference_{request,queue,compute_infer}_summary_us, quantiles 0.5 to 0.999):
-# 2.51 has no latency histograms for non-decoupled models, and p99 queue time needs one or the other.
-METRICS_CONFIG = ("summary_latencies=true",)
-LOOPBACK = "127.0.0.1"
-# How long the start-up load may take before the launcher gives up (and the container restarts).
-# The one source of this value: docker-compose.yml's healthcheck start_period and the Kubernetes
-# startup probe are at least this long (tests/test_images.py, tests/test_deploy_k8s.py). Whisper
-# large-v3 on the gpu target plus ONNX Runtime's TensorRT engine builds on first start can take
-# well over 5 minutes. Override: TRITON_READY_TIMEOUT_S.
-READY_TIMEOUT_S = 1200
-READY_TIMEOUT_ENV = "TRITON_READY_TIMEOUT_S"
-
-
-def ready_timeout_s() -> float:
-    return float(os.environ.get(READY_TIMEOUT_ENV) or READY_TIMEOUT_S)
-
-
-def pytriton_dir() -> Path:
-    import importlib.util
-
-    spec = importlib.util.find_spec("pytriton")
-    if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("nvidia-pytriton is not installed: run `make install`")
-    return Path(list(spec.submodule_search_locations)[0]) / "tritonserver"
-
-
-def prepare_backend_dir(target: Path) -> Path:
-    """Copy the Python backend and this interpreter's stub into ``target/python``."""
-    triton_dir = pytriton_dir()
-    python_version = f"{sys.version_info.major}.{sys.version_info.minor}"
-    stub = triton_dir / "python_backend_stubs" / python_version / "triton_python_backend_stub"
-    if not stub.exists():
-        raise RuntimeError(f"nvidia-pytriton ships no Python backend stub for Python {python_version}")
-    backend = target / "python"
-    if backend.exists():
-        shutil.rmtree(backend)
-    shutil.copytree(triton_dir / "backends" / "python", backend)
-    shutil.copy2(stub, backend / "triton_python_backend_stub")
-    return target
-
-
-@dataclass
-class ServerOptions:
-    model_repository: Path
-    # Public ports (nginx).
-    http_port: int = DEFAULT_HTTP_PORT
-    grpc_port: int = DEFAULT_GRPC_PORT
-    metrics_port: int = DEFAULT_METRICS_PORT
-    listen_address: str = LOOPBACK
-    # None: a private temporary folder, removed on stop (lets several servers run side by side).
-    backend_dir: Path | None = None
-    # None: the embedded binary from nvidia-pytriton; else this server (the container's), with
-    # backend_dir naming its backends.
-    tritonserver: Path | None = None
-    # Control key, internal ports, nginx files. None: a temporary folder, removed on stop.
-    state_dir: Path | None = None
-    exit_timeout_secs: int = 30
-    log_verbose: int = 0
-    # Models loaded at start; None loads every model in the repository (--load-model=*).
-    models: list[str] | None = None
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    max_json_bytes: int = DEFAULT_MAX_JSON_BYTES
-    max_inflight: int = DEFAULT_MAX_INFLIGHT
-    # None: half of max_inflight; 0: no per-client share (see proxy.ProxyConfig).
-    max_inflight_per_client: int | None = None
-    # Inference on the public ports for the pipelines and the router only (the builder's
-    # public_models in .built); True: every model, internal steps included (benchmarks of one model).
-    expose_internal_models: bool = False
-    supervise_interval_s: float = 1.0
-    # tritonservers behind the one nginx (round robin): scale-out on one machine.
-    replicas: int = 1
-    # One request through every loaded ensemble before the server is announced ready (warmup.py).
-    warm_pipelines: bool = False
-    extra_args: list[str] = field(default_factory=list)
-    # The gateway's spend ledger (SPEND_DATABASE_URL wins; the launcher sets sqlite in the state folder).
-    spend_database_url: str | None = None
-
-
-@dataclass(frozen=True)
-class InternalPorts:
-    """tritonserver's own ports, on loopback only."""
-    http: int
-    grpc: int
-    metrics: int
-
-
-def server_command(options: ServerOptions, internal: InternalPorts, key: str, shm_prefix: str) -> list[str]:
-    command = [
-        str(options.tritonserver or pytriton_dir() / "bin" / "tritonserver"),
-        f"--model-repository={options.model_repository.resolve()}",
-        f"--backend-directory={options.backend_dir.resolve()}",
-        "--model-control-mode=explicit",
-        *[f"--load-model={name}" for name in (options.models or ["*"])],
-        f"--http-address={LOOPBACK}",
-        f"--http-port={internal.http}",
-        f"--grpc-address={LOOPBACK}",
-        f"--grpc-port={internal.grpc}",
-        f"--metrics-address={LOOPBACK}",
-        f"--metrics-port={internal.metrics}",
-        f"--exit-timeout-secs={options.exit_timeout_secs}",
-        f"--log-verbose={options.log_verbose}",
-        *restricted_api_flags(key),
-        # the API key id the request screen resolved reaches the router as a request parameter
-        f"--http-header-forward-pattern=^{KEY_ID_PARAMETER}$",
-        f"--grpc-header-forward-pattern=^{KEY_ID_PARAMETER}$",
-    ]
-    backend_config = (*PYTHON_BACKEND_CONFIG, f"shm-region-prefix-name={shm_prefix}")
-    command += [f"--backend-config=python,{setting}" for setting in backend_config]
-    command += [f"--metrics-config={setting}" for setting in METRICS_CONFIG]
-    return command + list(options.extra_args)
-
-
-def server_environment() -> dict[str, str]:
-    """PATH leads with this interpreter's bin dir so the stub's embedded Python finds our venv."""
-    env = dict(os.environ)
-    venv_bin = str(Path(sys.executable).parent)
-    env["PATH"] = venv_bin + os.pathsep + env.get("PATH", "")
-    libs = pytriton_dir().parent.parent / "nvidia_pytriton.libs"
-    # The stub links libpython3.X.so.1.0: it must be THIS interpreter's (a system libpython of another
-    # patch release breaks extension modules of our stdlib, e.g. `import ssl` fails with an undefined
-    # symbol, so the openai/httpx clients cannot load).
-    python_libdir = sysconfig.get_config_var("LIBDIR") or ""
-    own_libpython = python_libdir and (Path(python_libdir) / sysconfig.get_config_var("INSTSONAME")).exists()
-    env["LD_LIBRARY_PATH"] = os.pathsep.join(
-        p for p in (python_libdir if own_libpython else "", str(libs), env.get("LD_LIBRARY_PATH", "")) if p)
-    return env
-
-
-class Replica:
-    """One tritonserver on loopback ports of its own: process, control client, stub watchdog and
-    restart after a crash. ``--replicas N`` runs N of them behind the one nginx."""
-
-    def __init__(self, index: int, options: ServerOptions, key: str, metrics: LauncherMetrics, log,
-                 stdout=None, stderr=None, public_models: Path | None = None):
-        self.index, self.label = index, str(index)
-        self.options, self.key, self.metrics, self.log = options, key, metrics, log
-        self.stdout, self.stderr = stdout, stderr
-        self.public_models = public_models
-        self.internal = InternalPorts(*free_ports(3))
-        self.screen_ports = tuple(free_ports(2))  # (HTTP, gRPC) of this replica's request screen
-        self.shm_prefix = f"triton_pipelines_{os.getpid()}_{self.internal.http}_"
-        self.control = ControlClient(f"{LOOPBACK}:{self.internal.http}", key)
-        self.watchdog = StubWatchdog(self.control, lambda: self.process.pid, metrics, log, replica=self.label)
-        self.restarting = False
-        self.retired = False
-        self.quick_crashes = 0
-        self.started_at = time.monotonic()
-        self.process = self._start()
-        self.screen = self._start_screen()
-
-    def _start_screen(self) -> subprocess.Popen:
-        """This replica's request screen (screen_server.py): nginx sends it every inference request."""
-        command = [sys.executable, "-m", "triton_pipelines.screen_server",
-                   f"--http-port={self.screen_ports[0]}", f"--grpc-port={self.screen_ports[1]}",
-                   f"--triton-http={LOOPBACK}:{self.internal.http}", f"--triton-grpc={LOOPBACK}:{self.internal.grpc}",
-                   f"--max-body-bytes={self.options.max_body_bytes}"]
-        if self.public_models is not None:
-            command.append(f"--public-models-file={self.public_models}")
-        return spawn(command, stdout=self.stdout, stderr=self.stderr, start_new_session=True)
-
-    def screen_alive(self) -> bool:
-        return self.screen.poll() is None
-
-    def restart_screen(self) -> None:
-        self.log(f"the request screen{self._which()} exited with code {self.screen.returncode}; restarting it")
-        with self.metrics.lock:
-            self.metrics.screen_restarts += 1
-        self.screen = self._start_screen()
-
-    def _which(self) -> str:
-        return f" (replica {self.label})" if self.options.replicas > 1 else ""
-
-    def _start(self) -> subprocess.Popen:
-        embedded = self.options.tritonserver is None
-        self.started_at = time.monotonic()
-        # Its own session: a terminal's Ctrl-C reaches the launcher (which drains, then stops the
-        # server) rather than tritonserver directly (whose own shutdown fails in-flight ensembles).
-        env = server_environment() if embedded else dict(os.environ)
-        if self.options.spend_database_url:
-            env[DATABASE_ENV] = self.options.spend_database_url
-        return spawn(
-            server_command(self.options, self.internal, self.key, self.shm_prefix),
-            env=env, stdout=self.stdout, stderr=self.stderr,
-            start_new_session=True)
-
-    def alive(self) -> bool:
-        return self.process.poll() is None
-
-    def triton_ready(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"http://{self.control.http_url}/v2/health/ready", timeout=2) as response:
-                return response.status == 200
-        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-            return False
-
-    def healthy(self) -> bool:
-        """Fit to be sent requests: running, ready, every Python stub alive (as of now, not only as of
-        the watchdog's last pass)."""
-        return (not self.retired and not self.restarting and self.alive() and self.screen_alive()
-                and not self.watchdog.dead and not self.watchdog.missing_now() and self.triton_ready())
-
-    def wait_ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if not self.alive():
-                raise RuntimeError(f"tritonserver exited with code {self.process.returncode} before it was ready")
-            if self.triton_ready():
-                return
-            time.sleep(0.5)
-        raise TimeoutError(f"tritonserver was not ready after {timeout_s:.0f} s")
-
-    def restart(self, stopping: threading.Event) -> None:
-        """After an unexpected exit: remove what it left, start it again (with backoff if it keeps dying)."""
-        code = self.process.returncode
-        how = f"signal {-code}" if code < 0 else f"code {code}"
-        killed, freed = remove_leftovers(self.process.pid, self.shm_prefix)
-        self.quick_crashes = self.quick_crashes + 1 if time.monotonic() - self.started_at < 60 else 1
-        with self.metrics.lock:
-            self.metrics.server_restarts[self.label] += 1
-            restarts = self.metrics.server_restarts[self.label]
-        backoff = min(30.0, 2.0 ** (self.quick_crashes - 1)) if self.quick_crashes > 1 else 0.0
-        replica = f" (replica {self.label})" if self.options.replicas > 1 else ""
-        self.log(f"tritonserver{replica} exited unexpectedly ({how}); removed {killed} orphaned stub(s) and "
-                 f"{freed / 2**20:.0f} MiB of /dev/shm; restarting it (restart {restarts}"
-                 + (f", after {backoff:.0f} s" if backoff else "") + ")")
-        self.restarting = True
-        self.watchdog.reset()
-        if stopping.wait(backoff):
-            return
-        self.process = self._start()
-        try:
-            self.wait_ready(timeout_s=ready_timeout_s())
-            self.log(f"tritonserver{replica} is ready again")
-        except (RuntimeError, TimeoutError) as error:
-            self.log(f"restarted tritonserver{replica} did not become ready: {error}")
-        finally:
-            self.restarting = False
-
-    def stop(self, timeout_s: float | None = None) -> None:
-        """Drain (unload models top-down, in-flight requests finish), then SIGTERM."""
-        if self.alive():
-            leaked = set(self.watchdog.leaked)
-            try:
-                drain(self.control, timeout_s=self.options.exit_timeout_secs, never_unloads=leaked)
-            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, RuntimeError) as error:
-                self.log(f"drain skipped: {error}")
-            # Nothing is routed here any more: the screen's idle keep-alive connections would only
-            # make Triton wait out its exit timeout for them ("Found 1 HTTP service connections").
-            self._stop_screen()
-            self.process.send_signal(signal.SIGTERM)
-            # Drained, nothing is in flight: Triton would only wait its exit timeout for an instance
-            # it never releases (a model whose stub died), so that wait is cut short.
-            wait_s = 5 if leaked else (timeout_s or self.options.exit_timeout_secs + 30)
-            try:
-                self.process.wait(timeout=wait_s)
-            except subprocess.TimeoutExpired:
-                if leaked:
-                    self.log(f"stopping without waiting for the dead-stub instances of {sorted(leaked)}")
-                self.process.kill()
-                self.process.wait()
-        remove_leftovers(self.process.pid, self.shm_prefix)
-        self._stop_screen()
-
-    def _stop_screen(self) -> None:
-        if self.screen_alive():
-            self.screen.terminate()
-            try:
-                self.screen.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.screen.kill()
-                self.screen.wait()
 
 
 def public_models_file(options: ServerOptions, state_dir: Path) -> Path | None:
@@ -359,8 +92,10 @@ def per_client_share(options: ServerOptions) -> int:
 
 
 class Launcher:
-    """nginx + tritonserver (``options.replicas`` of them) + supervisor; use as a context manager or
-    call ``stop()``.
+    """nginx + tritonserver (``options.replicas`` of them) + supervision; use as a context manager or
+    call ``stop()``. The wiring: temporary folders, the key, the state file, the status server,
+    the replicas (``replicas.py``) and nginx; the supervision thread calls ``ReplicaSet.reconcile``
+    every ``supervise_interval_s``.
 
     ``http_url`` / ``grpc_url`` / ``metrics_url`` are the public (proxied) endpoints; ``control`` is
     the model-repository API on (the first) Triton's loopback port with the key."""
@@ -383,13 +118,12 @@ class Launcher:
         self._temporary_state_dir = options.state_dir is None
         self.state_dir = private_dir((options.state_dir or Path(tempfile.mkdtemp(prefix="triton-state-"))).resolve())
         self.key = resolve_key()
-        write_private(self.state_dir / "control.key", self.key + "\n")
+        write_private(self.state_dir / KEY_FILE, self.key + "\n")
         options.spend_database_url = options.spend_database_url or database_url(self.state_dir)  # spend.db here
         self.metrics = LauncherMetrics()
         self.stopping, self._stopped = threading.Event(), threading.Event()
         self.replicas: list[Replica] = []
-        self.routed: tuple[int, ...] = ()
-        self._routing = threading.Lock()  # the supervisor and a retire request both reroute
+        self.replica_set: ReplicaSet | None = None
         self.status = StatusServer(
             sources=lambda: [(r.label, f"{LOOPBACK}:{r.internal.metrics}") for r in self.replicas if not r.retired],
             # Live while the launcher supervises, restarts included: restarting the container would not
@@ -400,17 +134,17 @@ class Launcher:
             + (self.openai.metrics_text() if self.openai else ""),
             retire=self.retire, key=self.key, label_replicas=options.replicas > 1)
         self.gate_port = free_ports(1)[0]  # the proxy's in-flight gate, kept across reconfigurations
-        self.openai: FrontendProcess | None = None  # the OpenAI-compatible frontend behind /v1/ (issue 23)
+        self.openai: FrontendProcess | None = None  # the OpenAI-compatible frontend behind /v1/
         try:
-            public_models = public_models_file(options, self.state_dir)
-            self.replicas = [Replica(i, options, self.key, self.metrics, self.log, stdout, stderr, public_models)
-                             for i in range(options.replicas)]
-            self.routed = tuple(range(options.replicas))
+            processes = TritonProcesses(options, self.key, self.metrics, self.log, stdout, stderr,
+                                        public_models_file(options, self.state_dir))
+            for index in range(options.replicas):
+                self.replicas.append(Replica(index, options, self.key, processes, self.metrics, self.log))
             self.openai = FrontendProcess(options.model_repository,
                                           [f"{LOOPBACK}:{r.internal.grpc}" for r in self.replicas], self.log,
                                           stdout, stderr, spend_database_url=options.spend_database_url)
             self.openai.start()
-            self.proxy = ProxyProcess(self._proxy_config(self.routed), stdout=stdout, stderr=stderr)
+            self.proxy = ProxyProcess(self._proxy_config(tuple(range(options.replicas))), stdout=stdout, stderr=stderr)
         except Exception:
             for replica in self.replicas:
                 replica.process.kill()
@@ -419,16 +153,19 @@ class Launcher:
                 self.openai.process.kill()
             self.status.close()
             raise
+        self.replica_set = ReplicaSet(self.replicas, self.proxy, self._proxy_config, self.metrics, self.log,
+                                      self.stopping, warm=self._warm_replica if options.warm_pipelines else None,
+                                      frontend=self.openai)
         first = self.replicas[0]
-        write_private(self.state_dir / "server.json", json.dumps({
-            "launcher_pid": os.getpid(), "triton_http": first.control.http_url,
-            "triton_grpc": f"{LOOPBACK}:{first.internal.grpc}", "triton_metrics": f"{LOOPBACK}:{first.internal.metrics}",
-            "replicas": [{"triton_http": r.control.http_url, "triton_grpc": f"{LOOPBACK}:{r.internal.grpc}"}
-                         for r in self.replicas],
-            "status": f"{LOOPBACK}:{self.status.port}",
-            "http_port": options.http_port, "grpc_port": options.grpc_port, "metrics_port": options.metrics_port,
-            "listen_address": options.listen_address, "model_repository": str(options.model_repository.resolve()),
-            "shm_prefix": first.shm_prefix}, indent=2))
+        ServerState(
+            launcher_pid=os.getpid(), triton_http=first.control.http_url,
+            triton_grpc=f"{LOOPBACK}:{first.internal.grpc}", triton_metrics=f"{LOOPBACK}:{first.internal.metrics}",
+            replicas=[{"triton_http": r.control.http_url, "triton_grpc": f"{LOOPBACK}:{r.internal.grpc}"}
+                      for r in self.replicas],
+            status=f"{LOOPBACK}:{self.status.port}",
+            http_port=options.http_port, grpc_port=options.grpc_port, metrics_port=options.metrics_port,
+            listen_address=options.listen_address, model_repository=str(options.model_repository.resolve()),
+            shm_prefix=first.shm_prefix).write(self.state_dir)
         self.supervisor = threading.Thread(target=self._supervise, name="supervisor", daemon=True)
 
     def log(self, message: str) -> None:
@@ -501,19 +238,7 @@ class Launcher:
     # ------------------------------------------------------------------------- health
     def not_ready_reasons(self) -> list[str]:
         """Why the server cannot serve: empty when some replica in service is healthy."""
-        active = [r for r in self.replicas if not r.retired]
-        if any(r.healthy() for r in active):
-            return []
-        reasons = []
-        for replica in active:
-            prefix = f"replica {replica.label}: " if len(self.replicas) > 1 else ""
-            if replica.restarting or not replica.alive():
-                reasons.append(prefix + "tritonserver is not running (restarting)")
-            else:
-                reasons += [prefix + problem for problem in replica.watchdog.problems()]
-                if not replica.triton_ready():
-                    reasons.append(prefix + "tritonserver is not ready (models loading or unloading)")
-        return reasons or ["no replica in service"]
+        return self.replica_set.not_ready_reasons() if self.replica_set else ["no replica in service"]
 
     def wait_ready(self, timeout_s: float | None = None) -> None:
         """Block until every replica is ready and the public port answers; then supervise."""
@@ -541,82 +266,52 @@ class Launcher:
         if not self.supervisor.is_alive() and not self.stopping.is_set():
             self.supervisor.start()
 
-    def warm_pipelines(self) -> list:
-        """One request through every loaded ensemble of every replica (model_warmup warms compute
+    def _warm_replica(self, replica: Replica) -> list:
+        """One request through every loaded ensemble of ``replica`` (model_warmup warms compute
         models at load; an ensemble and the Python steps behind it have no warm-up by config)."""
         from .client import TritonClient
         from .warmup import warm_pipelines
 
+        control = replica.control
+        ensembles = [entry["name"] for entry in control.index(ready_only=True)
+                     if control.config(entry["name"]).get("platform") == "ensemble"]
+        client = TritonClient("http", control.http_url)
+        try:
+            warmed = warm_pipelines(client, control, sorted(set(ensembles)), on_error=lambda name, error:
+                                    self.log(f"warm-up request through {name} failed: {error}"))
+        finally:
+            client.close()
+        if replica.restarted:
+            self.log(f"warmed {len(warmed)} pipelines of the restarted tritonserver{replica._which()} "
+                     f"in {sum(w.seconds for w in warmed):.1f} s")
+        return warmed
+
+    def warm_pipelines(self) -> list:
+        """One request through every loaded ensemble of every replica in service."""
         warmed = []
         for replica in [r for r in self.replicas if not r.retired]:
-            control = replica.control
-            ensembles = [entry["name"] for entry in control.index(ready_only=True)
-                         if control.config(entry["name"]).get("platform") == "ensemble"]
-            client = TritonClient("http", control.http_url)
-            try:
-                warmed += warm_pipelines(client, control, sorted(set(ensembles)), on_error=lambda name, error:
-                                         self.log(f"warm-up request through {name} failed: {error}"))
-            finally:
-                client.close()
+            warmed += self._warm_replica(replica)
         self.log(f"warmed {len(warmed)} pipelines end to end in {sum(w.seconds for w in warmed):.1f} s")
         return warmed
 
     # ------------------------------------------------------------------------- supervision
-    def _route(self) -> None:
-        """Send requests only to healthy replicas (all of them if none is)."""
-        with self._routing:
-            active = [r for r in self.replicas if not r.retired]
-            healthy = tuple(r.index for r in active if r.healthy()) or tuple(r.index for r in active)
-            if healthy and healthy != self.routed:
-                self.proxy.reconfigure(self._proxy_config(healthy))
-                if len(self.replicas) > 1:
-                    self.log(f"routing to replica(s) {', '.join(str(i) for i in healthy)}")
-                self.routed = healthy
+    @property
+    def routed(self) -> tuple[int, ...]:
+        """The replicas nginx sends requests to."""
+        return self.replica_set.routed if self.replica_set else ()
 
     def _supervise(self) -> None:
         while not self.stopping.wait(self.options.supervise_interval_s):
-            if not self.proxy.alive() and not self.stopping.is_set():
-                self.log(f"nginx exited with code {self.proxy.process.returncode}; restarting it")
-                with self.metrics.lock:
-                    self.metrics.proxy_restarts += 1
-                self.proxy.restart()
-            if not self.stopping.is_set() and self.openai is not None:
-                self.openai.ensure_running()
-            for replica in [r for r in self.replicas if not r.retired]:
-                if not replica.screen_alive() and not self.stopping.is_set():
-                    replica.restart_screen()
-                if not replica.alive() and not self.stopping.is_set():
-                    replica.restart(self.stopping)
-                    continue
-                try:
-                    replica.watchdog.detect()
-                except (urllib.error.URLError, OSError, ValueError) as error:
-                    if not self.stopping.is_set() and replica.alive():
-                        self.log(f"watchdog check failed: {error}")
-            if not self.stopping.is_set():
-                self._route()  # route around a dead stub before repairing it
-            for replica in [r for r in self.replicas if not r.retired and r.watchdog.dead]:
+            try:
+                self.replica_set.reconcile()
+            except Exception as error:  # noqa: BLE001 - the next pass tries again; supervision never ends
                 if not self.stopping.is_set():
-                    replica.watchdog.repair()
+                    self.log(f"supervision pass failed: {type(error).__name__}: {error}")
 
     def retire(self, index: int) -> str:
         """Take replica ``index`` out of service without failing a request: nginx stops sending it
         requests (graceful reload), then it drains and stops."""
-        if not 0 <= index < len(self.replicas) or self.replicas[index].retired:
-            raise ValueError(f"no replica {index} in service")
-        if all(r.retired for r in self.replicas if r.index != index):
-            raise ValueError("the last replica in service cannot be retired: stop the launcher instead")
-        replica = self.replicas[index]
-        with self._routing:
-            replica.retired = True
-            self.routed = tuple(i for i in self.routed if i != index) or tuple(
-                r.index for r in self.replicas if not r.retired)
-            self.proxy.reconfigure(self._proxy_config(self.routed))
-        self.log(f"replica {index} retired from service; draining it")
-        replica.stop()
-        self.metrics.set_ready(replica.label, {})
-        self.log(f"replica {index} stopped")
-        return str(index)
+        return self.replica_set.retire(index)
 
     def stop(self, timeout_s: float | None = None) -> int:
         """Close the public ports gracefully (requests in flight finish), drain every replica
@@ -626,6 +321,7 @@ class Launcher:
         self.stopping.set()
         if self.supervisor.is_alive() and threading.current_thread() is not self.supervisor:
             self.supervisor.join(timeout=self.options.exit_timeout_secs + 60)
+        self.replica_set.wait_tasks(self.options.exit_timeout_secs + 60)
         self.proxy.stop(timeout_s=self.options.exit_timeout_secs)
         if self.openai is not None:  # nothing new arrives: its requests in flight finish, then it exits
             self.openai.stop(timeout_s=self.options.exit_timeout_secs)
@@ -640,7 +336,7 @@ class Launcher:
         if self._temporary_state_dir:
             shutil.rmtree(self.state_dir, ignore_errors=True)
         else:
-            for name in ("control.key", "server.json"):
+            for name in (KEY_FILE, STATE_FILE):
                 (self.state_dir / name).unlink(missing_ok=True)
         self._stopped.set()
         return self.process.returncode
@@ -658,21 +354,21 @@ class RunningServer:
 
     def __init__(self, state_dir: Path):
         self.state_dir = Path(state_dir)
-        self.state = state = json.loads((self.state_dir / "server.json").read_text())
+        self.state = state = ServerState.read(self.state_dir)
         self.control = ControlClient.from_state(self.state_dir)
         self.key = self.control.key
-        host = state["listen_address"] if state["listen_address"] not in ("0.0.0.0", "::") else "localhost"
-        self.http_url, self.grpc_url = f"{host}:{state['http_port']}", f"{host}:{state['grpc_port']}"
-        self.metrics_url = f"http://{host}:{state['metrics_port']}/metrics"
-        self.shm_prefix = state["shm_prefix"]
-        self.options = ServerOptions(model_repository=Path(state["model_repository"]), http_port=state["http_port"],
-                                     grpc_port=state["grpc_port"], metrics_port=state["metrics_port"])
+        host = state.public_host
+        self.http_url, self.grpc_url = f"{host}:{state.http_port}", f"{host}:{state.grpc_port}"
+        self.metrics_url = f"http://{host}:{state.metrics_port}/metrics"
+        self.shm_prefix = state.shm_prefix
+        self.options = ServerOptions(model_repository=Path(state.model_repository), http_port=state.http_port,
+                                     grpc_port=state.grpc_port, metrics_port=state.metrics_port)
 
     def url(self, protocol: str) -> str:
         return self.http_url if protocol == "http" else self.grpc_url
 
     def internal_url(self, protocol: str) -> str:
-        return self.state["triton_http"] if protocol == "http" else self.state["triton_grpc"]
+        return self.state.triton_http if protocol == "http" else self.state.triton_grpc
 
     def stop(self) -> None:
         """Not ours to stop."""
@@ -708,20 +404,10 @@ def _port(flag_value: int | None, env_name: str, default: int) -> int:
 
 
 def shm_shortfall(model_repository: Path, replicas: int = 1, shm: str = "/dev/shm") -> str | None:
-    """A warning when /dev/shm is smaller than what the repository's Python-backend stubs may hold
-    at full batches (the builder records it in ``.built``): past that, a request fails with the
-    stub unable to grow its region instead of being served."""
-    try:
-        needed = (BuiltManifest.read(model_repository).shm_bytes or 0) * replicas
-        size = shm_capacity(shm)
-    except (OSError, ValueError):
-        return None
-    if needed <= size:
-        return None
-    return (f"WARNING: {shm} holds {size / 2**30:.1f} GiB; the Python-backend stubs may need up to "
-            f"{needed / 2**30:.1f} GiB at full batches ({replicas} replica(s); `python -m repo_builder plan --shm` "
-            f"itemizes it). Raise it: docker compose TRITON_SHM_SIZE, Kubernetes the dshm volume's sizeLimit, "
-            f"docker run --shm-size")
+    """The warning when /dev/shm is smaller than the stubs may hold: ``layout.shm_shortfall``."""
+    from . import layout
+
+    return layout.shm_shortfall(model_repository, replicas, shm)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -781,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
         grpc_port=_port(args.grpc_port, "TRITON_GRPC_PORT", DEFAULT_GRPC_PORT),
         metrics_port=_port(args.metrics_port, "TRITON_METRICS_PORT", DEFAULT_METRICS_PORT),
         listen_address=args.listen_address,
-        state_dir=args.state_dir or Path(os.environ.get(STATE_ENV) or Path(".triton") / str(http_port)),
+        state_dir=resolve_state_dir(args.state_dir, http_port),
         max_body_bytes=args.max_body_bytes,
         max_json_bytes=args.max_json_bytes,
         max_inflight=args.max_inflight,

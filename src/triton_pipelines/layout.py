@@ -7,7 +7,8 @@ builder writes and the launcher, router, rollout and planner read back.
 - The build stamp ``<repository>/.built`` (``BuiltManifest``): the target, the models built, the
   public ones, the compute models' facts, the /dev/shm the Python-backend stubs may hold.
 - The Python backend's shared-memory sizes (``PYTHON_SHM_*``): the launcher passes them to
-  ``tritonserver``, the planner sizes /dev/shm with them.
+  ``tritonserver``, the planner sizes /dev/shm with them; whether /dev/shm holds what the stubs may
+  need (``ShmCheck``: the planner's ``--check`` note and the launcher's warning).
 
 Standard library only: the builder, the launcher and the router inside Triton's Python stub all
 import it.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -136,3 +138,59 @@ PYTHON_SHM_GROWTH_BYTES = 16 * MiB
 # tritonserver's --backend-config=python,... for those sizes (the launcher adds the region prefix).
 PYTHON_BACKEND_SHM_CONFIG = (f"shm-default-byte-size={PYTHON_SHM_DEFAULT_BYTES}",
                              f"shm-growth-byte-size={PYTHON_SHM_GROWTH_BYTES}")
+
+
+# --------------------------------------------------------------------- is /dev/shm big enough
+SHM_DIR = "/dev/shm"
+GiB = 2**30
+
+
+def shm_capacity(folder: Path | str = SHM_DIR) -> int:
+    """Bytes the shared-memory file system holds (its size, not what is free)."""
+    stat = os.statvfs(folder)
+    return stat.f_blocks * stat.f_frsize
+
+
+@dataclass(frozen=True)
+class ShmCheck:
+    """/dev/shm against what the Python-backend stubs may hold at full batches (the planner's figure,
+    stamped in ``.built`` as ``shm_bytes``), for ``replicas`` servers on the same /dev/shm. Past
+    it, a request fails with a stub unable to grow its region instead of being served."""
+    size: int
+    needed: int
+    folder: str = SHM_DIR
+    replicas: int = 1
+
+    @classmethod
+    def measure(cls, needed: int, folder: str = SHM_DIR, replicas: int = 1) -> "ShmCheck":
+        """Raises OSError when ``folder`` cannot be read."""
+        return cls(shm_capacity(folder), needed * replicas, folder, replicas)
+
+    @property
+    def fits(self) -> bool:
+        return self.needed <= self.size
+
+    def note(self) -> str:
+        """The planner's line (``python -m repo_builder plan --check``): a note, not a failure, since
+        the need is the worst case of every stub at a full batch at once."""
+        verdict = "holds" if self.fits else "is SMALLER than"
+        return (f"note: {self.folder} ({self.size / GiB:.2f} GiB) {verdict} what the Python-backend stubs may hold "
+                f"at full batches ({self.needed / GiB:.2f} GiB; `python -m repo_builder plan --shm` itemizes it)")
+
+    def warning(self) -> str | None:
+        """The launcher's warning when it does not fit, else None."""
+        if self.fits:
+            return None
+        return (f"WARNING: {self.folder} holds {self.size / GiB:.1f} GiB; the Python-backend stubs may need up to "
+                f"{self.needed / GiB:.1f} GiB at full batches ({self.replicas} replica(s); `python -m repo_builder "
+                f"plan --shm` itemizes it). Raise it: docker compose TRITON_SHM_SIZE, Kubernetes the dshm volume's "
+                f"sizeLimit, docker run --shm-size")
+
+
+def shm_shortfall(repository: Path, replicas: int = 1, folder: str = SHM_DIR) -> str | None:
+    """The launcher's warning for a built repository (None when it fits, or when the stamp or
+    /dev/shm cannot be read)."""
+    try:
+        return ShmCheck.measure(BuiltManifest.read(repository).shm_bytes or 0, folder, replicas).warning()
+    except (OSError, ValueError):
+        return None

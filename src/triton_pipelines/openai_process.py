@@ -38,7 +38,7 @@ class FrontendProcess:
         self.process: subprocess.Popen | None = None
         # The environment of the first start (keys file, gateway variables), for every restart too.
         self.environment = dict(os.environ)
-        if spend_database_url:  # the replicas' ledger: /v1/chat/completions and the router spend one budget
+        if spend_database_url:  # the router's ledger: one budget per key on every path to the gateway
             self.environment[DATABASE_ENV] = spend_database_url
         # A keys file that is named but missing or malformed stops the launcher's start here (the
         # frontend would refuse to start, again and again), never serving /v1 open by accident.

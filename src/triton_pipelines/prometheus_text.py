@@ -3,7 +3,7 @@ one parser for the rollout's gates, the tests and the benchmarks. Standard libra
 
 Samples are ``name{label="value",...} number``; comments (``# HELP``, ``# TYPE``) and lines whose
 value is not a number are left out. Label values keep their escapes (Triton's have none).
-(``supervisor.merge_metrics`` does not read values: it relabels the text of several replicas as is.)
+(``status_server.merge_metrics`` does not read values: it relabels the text of several replicas as is.)
 """
 
 from __future__ import annotations

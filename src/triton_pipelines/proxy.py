@@ -23,7 +23,7 @@ and enforces, before anything is copied into Triton:
   shared-memory, logging and trace APIs answer 403 / ``PERMISSION_DENIED`` here on both protocols;
   they are also restricted with a key inside Triton (``control.py``), reachable on loopback only.
 - Metrics (``/metrics`` on the metrics port) and readiness come from the launcher's status server,
-  which adds its own counters and sees dead Python stubs (``supervisor.py``).
+  which adds its own counters and sees dead Python stubs (``status_server.py``).
 
 The configuration is the template ``templates/nginx.conf`` (``%%name`` fields, see ``NginxTemplate``)
 rendered by ``render_config`` from a ``ProxyConfig``, with every answer's text in ``MESSAGES``;
@@ -332,10 +332,11 @@ class ProxyProcess:
         self._stop_process()
         self.process = self._start()
 
-    def reconfigure(self, config: ProxyConfig, timeout_s: float = 60) -> None:
+    def reconfigure(self, config: ProxyConfig, timeout_s: float = 60, wait: bool = True) -> None:
         """New upstreams (replicas in service) without dropping a request: nginx's graceful reload
         starts workers on the new configuration while the old ones finish what they are serving.
-        Returns when the old workers are gone: no request is on its way to a removed upstream."""
+        Returns when the old workers are gone (no request is on its way to a removed upstream), or at
+        once with ``wait=False`` (the supervisor's reconcile pass, which never waits)."""
         text = render_config(config, self.temp_dir)
         if text == self.config_path.read_text():
             return
@@ -346,6 +347,8 @@ class ProxyProcess:
         os.replace(candidate, self.config_path)
         self.config = config
         self.process.send_signal(signal.SIGHUP)
+        if not wait:
+            return
         deadline = time.monotonic() + timeout_s
         while old_workers & set(child_pids(self.process.pid)) and time.monotonic() < deadline:
             time.sleep(0.05)

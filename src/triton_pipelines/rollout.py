@@ -24,7 +24,9 @@ ones); what it does have, and what this builds on (checked against the 2.51 serv
   in; the other versions are untouched.
 
 The rollout (``Rollout.move``), for a model and its latency-class variants (``text_encoder`` and
-``text_encoder_batch``, one "family"):
+``text_encoder_batch``, one "family"), planned without a server by ``rollout_plan.plan_move``
+(the actions, their order and the gate are there and unit-tested) and run here against the server
+(``Rollout.execute``):
 
 1. load the target version beside the serving ones (Triton warms each instance by config), load the
    ensembles named ``<ensemble>_v<N>`` for it, and send one request through each of them (an
@@ -58,160 +60,14 @@ from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
 from .control import STATE_ENV, ControlClient, ControlError
-from . import prometheus_text
-from .layout import STABLE_VERSION, BuiltManifest, parse_variant_name
-from .router_service import INPUT_REASONS
-from .routing import RouteTable
+from .server_state import ServerState
+from .rollout_plan import (Action, Family, Gate, Hold, LoadEnsembles, LoadVersions, Metrics, Pin, Retire,
+                           RolloutError, Settle, StepReport, WaitDrained, WaitUnloaded, Warm, WriteSplit,
+                           check_steps, judge, measure, plan_move, route_table, served)
+from .warmup import warm_server
 
-# Router failure reasons that are the caller's fault, not the new version's (answered as bad input).
-CLIENT_REASONS = INPUT_REASONS
+__all__ = ["Breach", "Family", "Gate", "Metrics", "Rollout", "RolloutError", "StepReport", "judge", "main"]
 EXIT_BREACH = 3
-
-
-# ----------------------------------------------------------------------------------- metrics
-@dataclass(frozen=True)
-class Metrics:
-    """One scrape of a Prometheus text endpoint: (name, labels, value) samples."""
-    samples: tuple[tuple[str, dict, float], ...]
-
-    @classmethod
-    def parse(cls, text: str) -> "Metrics":
-        return cls(tuple(prometheus_text.parse_samples(text)))
-
-    @classmethod
-    def scrape(cls, url: str, timeout_s: float = 10.0) -> "Metrics":
-        return cls.parse(prometheus_text.scrape(url, timeout_s))
-
-    def total(self, name: str, **labels: str | Iterable[str]) -> float:
-        """Sum of ``name`` over samples whose labels match (a label given as a collection matches
-        any of its values)."""
-        return prometheus_text.total(self.samples, name, **labels)
-
-    def largest(self, name: str, **labels) -> float | None:
-        values = [value for sample_name, found, value in self.samples
-                  if sample_name == name and all(found.get(k) == v for k, v in labels.items())]
-        return max(values) if values else None
-
-
-# ----------------------------------------------------------------------------------- the family
-def route_table(repository: Path) -> RouteTable | None:
-    """The router's route file as the builder copied it into the repository (None without a router)."""
-    routes_file = repository / "router" / "1" / "routes.yaml"
-    return RouteTable.load(routes_file) if routes_file.exists() else None
-
-
-@dataclass(frozen=True)
-class Family:
-    """A compute model, its latency-class variants (same files, own configs) and the ensembles
-    that reach them, as the builder wrote them into the repository."""
-    model: str
-    members: tuple[str, ...]
-    # plain ensembles (direct callers) → the member whose version they pin
-    pinning_ensembles: Mapping[str, str]
-    # version → ensembles named ``<ensemble>_v<version>`` that reach the family (nested ones too)
-    versioned_ensembles: Mapping[int, tuple[str, ...]]
-    # router tasks whose canary is this model
-    canary_tasks: tuple[str, ...]
-    # versions the router accepts in its split (the route file's canaries)
-    router_versions: tuple[int, ...]
-
-    @classmethod
-    def from_repository(cls, repository: Path, model: str) -> "Family":
-        from google.protobuf import text_format
-        from tritonclient.grpc import model_config_pb2 as mc
-
-        if not BuiltManifest.exists(repository):
-            raise RolloutError(f"{repository} is not a built repository (no .built): run `make repository`")
-        facts = BuiltManifest.read(repository).compute_models.get(model)
-        if facts is None:
-            raise RolloutError(f"{model} is not a compute model of {repository}")
-        members = (model, *facts.latency_variants)
-        ensembles = {}
-        for path in sorted(repository.glob("*/config.pbtxt")):
-            config = text_format.Parse(path.read_text(), mc.ModelConfig())
-            if config.platform == "ensemble":
-                ensembles[config.name] = [(s.model_name, s.model_version) for s in config.ensemble_scheduling.step]
-
-        def reaches(name: str, seen: frozenset = frozenset()) -> bool:
-            return any(step in members or (step in ensembles and step not in seen and reaches(step, seen | {name}))
-                       for step, _ in ensembles[name])
-
-        pinning, versioned = {}, {}
-        for name, steps in ensembles.items():
-            if not reaches(name):
-                continue
-            variant = parse_variant_name(name)
-            if variant.version is not None and variant.unversioned in ensembles:
-                versioned.setdefault(variant.version, []).append(name)
-                continue
-            for step, version in steps:
-                if step in members and version > 0:
-                    pinning[name] = step
-        tasks, router_versions = (), (STABLE_VERSION,)
-        routes = route_table(repository)
-        if routes is not None:
-            tasks = tuple(sorted(task for task, route in routes.tasks.items() if route.canary == model))
-            if model in routes.canaries:
-                router_versions = routes.canaries[model].versions
-        return cls(model, members, pinning, {v: tuple(sorted(n)) for v, n in versioned.items()}, tasks,
-                   router_versions)
-
-    def ensembles_serving(self, version: int) -> tuple[str, ...]:
-        """The ensembles a version's traffic goes through: ``<ensemble>_v<N>``, and for version 1
-        the plain ones (the router's targets for version 1)."""
-        if version == STABLE_VERSION:
-            return tuple(sorted(self.pinning_ensembles))
-        return self.versioned_ensembles.get(version, ())
-
-
-# ----------------------------------------------------------------------------------- gates
-@dataclass(frozen=True)
-class Gate:
-    """When a step's hold must end the rollout. Failures: the router's failures of the canary's
-    tasks (client errors excluded) plus Triton's failure counts of the family and its ensembles,
-    over the requests they served in the hold. p99: the target version's request time from
-    Triton's latency summary (a sliding 60 s window), judged once it served ``min_requests`` in
-    the hold (a single slow warm-up request must not decide)."""
-    max_failure_ratio: float = 0.0
-    max_p99_ms: float | None = None
-    max_p99_ratio: float | None = None  # target p99 / the old versions' p99
-    min_requests: int = 50
-
-
-@dataclass
-class StepReport:
-    share: float
-    requests: float = 0.0
-    failures: float = 0.0
-    target_requests: float = 0.0
-    p99_ms: float | None = None
-    old_p99_ms: float | None = None
-    breach: str = ""
-
-    def line(self) -> str:
-        p99 = "n/a" if self.p99_ms is None else f"{self.p99_ms:.1f} ms"
-        old = "" if self.old_p99_ms is None else f" (old {self.old_p99_ms:.1f} ms)"
-        return (f"{self.share:g}%: {self.requests:.0f} requests, {self.failures:.0f} failed, target served "
-                f"{self.target_requests:.0f}, p99 {p99}{old}" + (f"; BREACH: {self.breach}" if self.breach else ""))
-
-
-def judge(gate: Gate, report: StepReport) -> str:
-    """The breach a step's numbers show, or ``""``."""
-    if report.requests and report.failures / report.requests > gate.max_failure_ratio:
-        return f"{report.failures:.0f} of {report.requests:.0f} requests failed (limit {gate.max_failure_ratio:.2%})"
-    if report.failures and not report.requests:
-        return f"{report.failures:.0f} failures"
-    if report.p99_ms is None or report.target_requests < gate.min_requests:
-        return ""
-    if gate.max_p99_ms is not None and report.p99_ms > gate.max_p99_ms:
-        return f"p99 {report.p99_ms:.1f} ms over {gate.max_p99_ms:g} ms"
-    if gate.max_p99_ratio is not None and report.old_p99_ms and report.p99_ms > gate.max_p99_ratio * report.old_p99_ms:
-        return f"p99 {report.p99_ms:.1f} ms over {gate.max_p99_ratio:g} x the old {report.old_p99_ms:.1f} ms"
-    return ""
-
-
-class RolloutError(RuntimeError):
-    pass
 
 
 class Breach(RolloutError):
@@ -369,20 +225,8 @@ class Rollout:
             self.log(f"{ensemble} now serves {member} version {version}")
 
     def warm(self, version: int) -> None:
-        from .client import TritonClient
-        from .warmup import warm_pipelines
-
-        client = TritonClient("http", self.control.http_url)
-        try:
-            for warmed in warm_pipelines(client, self.control, self.family.ensembles_serving(version)):
-                self.log(f"warmed {warmed.model} end to end ({warmed.seconds * 1e3:.0f} ms)")
-        finally:
-            client.close()
-
-    def _served(self, metrics: Metrics, versions: Iterable[int]) -> float:
-        wanted = [str(v) for v in versions]
-        return sum(metrics.total(name, model=self.family.members, version=wanted)
-                   for name in ("nv_inference_request_success", "nv_inference_request_failure"))
+        for warmed in warm_server(self.control, self.family.ensembles_serving(version)):
+            self.log(f"warmed {warmed.model} end to end ({warmed.seconds * 1e3:.0f} ms)")
 
     def wait_drained(self, versions: set[int]) -> None:
         """Until the versions got no request for ``quiet_s`` and nothing is pending on them."""
@@ -390,11 +234,11 @@ class Rollout:
         last, quiet_since = None, time.monotonic()
         while True:
             metrics = Metrics.scrape(self.metrics_url)
-            served = self._served(metrics, versions)
+            served_now = served(metrics, self.family, versions)
             pending = metrics.total("nv_inference_pending_request_count", model=self.family.members,
                                     version=[str(v) for v in versions])
-            if served != last or pending:
-                last, quiet_since = served, time.monotonic()
+            if served_now != last or pending:
+                last, quiet_since = served_now, time.monotonic()
             elif time.monotonic() - quiet_since >= self.quiet_s:
                 return
             if time.monotonic() > deadline:
@@ -421,33 +265,10 @@ class Rollout:
         ends = time.monotonic() + hold_s
         while True:
             time.sleep(max(0.0, min(self.poll_s, ends - time.monotonic())))
-            now = Metrics.scrape(self.metrics_url)
-            self._measure(report, start, now, target, sources)
+            report = measure(start, Metrics.scrape(self.metrics_url), self.family, share, target, sources)
             report.breach = judge(gate, report)
             if report.breach or time.monotonic() >= ends:
                 return report
-
-    def _measure(self, report: StepReport, start: Metrics, now: Metrics, target: int, sources: set[int]) -> None:
-        def delta(name, **labels):
-            return now.total(name, **labels) - start.total(name, **labels)
-
-        family = self.family
-        ensembles = sorted(set(family.pinning_ensembles) | {n for v in family.versioned_ensembles.values() for n in v})
-        tasks = family.canary_tasks
-        router_failures = (delta("router_failures_total", task=tasks)
-                           - sum(delta("router_failures_total", task=tasks, reason=r) for r in CLIENT_REASONS))
-        report.failures = (router_failures + delta("nv_inference_request_failure", model=ensembles)
-                           + delta("nv_inference_request_failure", model=family.members))
-        report.requests = (delta("router_requests_total", task=tasks)
-                           + delta("nv_inference_request_success", model=ensembles)
-                           + delta("nv_inference_request_failure", model=ensembles))
-        report.target_requests = self._served(now, [target]) - self._served(start, [target])
-        summary = "nv_inference_request_summary_us"
-        report.p99_ms = _ms(max((v for m in family.members for v in [now.largest(
-            summary, model=m, version=str(target), quantile="0.99")] if v is not None and v == v), default=None))
-        old = [v for m in family.members for s in sources
-               for v in [now.largest(summary, model=m, version=str(s), quantile="0.99")] if v is not None and v == v]
-        report.old_p99_ms = _ms(max(old, default=None))
 
     def _check_target(self, version: int) -> None:
         for member in self.family.members:
@@ -461,59 +282,72 @@ class Rollout:
 
     def move(self, target: int, steps: Iterable[float] = (10, 50, 100), hold_s: float = 60.0,
              gate: Gate = Gate(), on_breach: str = "rollback") -> list[StepReport]:
-        """Serve ``target`` instead of the versions serving now (see the module docstring).
+        """Serve ``target`` instead of the versions serving now (see the module docstring): the
+        server's state, ``rollout_plan.plan_move``'s actions, run in order.
         On a breach: ``rollback`` moves everything back at once and raises ``Breach``; ``stop``
         leaves the split where it was and raises ``Breach``."""
         if on_breach not in ("rollback", "stop"):
             raise ValueError("on_breach must be 'rollback' or 'stop'")
         self._check_target(target)
-        steps = [float(s) for s in steps]
-        if not steps or steps[-1] != 100 or any(not 0 < s <= 100 for s in steps) or steps != sorted(steps):
-            raise RolloutError(f"steps must rise to 100 (percent of the router's traffic), got {steps}")
+        steps = check_steps(steps)
         loaded, current, split = self.loaded_versions(), self.current_version(), self.split()
-        sources = ({v for v, share in split.items() if share > 0} | {current}) - {target}
         self.log(f"{self.model}: loaded {sorted(loaded)}, plain ensembles on {current}, router split {split}; "
                  f"moving to version {target}")
-        if target not in loaded:
-            self.log(f"loading {self.model} version {target} beside {sorted(loaded)} "
-                     f"({', '.join(self.family.members)}; warmed by config before READY)")
-            self.set_versions(loaded | {target})
-        self.load_ensembles(self.family.versioned_ensembles.get(target, ()))
-        if target == STABLE_VERSION:
-            self.pin(target)  # the router's version-1 targets are the plain ensembles
-        self.warm(target)
+        return self.execute(plan_move(loaded, current, split, target, steps, hold_s), gate, on_breach)
+
+    def execute(self, actions: Iterable[Action], gate: Gate = Gate(), on_breach: str = "rollback") -> list[StepReport]:
+        """Run a plan's actions in order; a hold's report is logged, and a breach ends the plan."""
         reports = []
-        remaining = {v: split.get(v, 0.0) for v in sources}
-        weights = remaining if sum(remaining.values()) > 0 else {v: 1.0 for v in sources}
-        for share in steps:
-            shares = {target: share} | {v: (100 - share) * w / sum(weights.values()) for v, w in weights.items()}
-            self.write_split(shares)
-            self.log(f"router split {({v: round(s, 2) for v, s in shares.items() if s > 0})}")
-            if hold_s > 0:
-                report = self.hold(share, target, sources, hold_s, gate)
-                reports.append(report)
-                self.log(report.line())
-                if report.breach:
-                    return self._breached(report, reports, sources, current, on_breach)
-        if target != STABLE_VERSION:
-            self.pin(target)
-        if sources:
-            self.log(f"waiting until version(s) {sorted(sources)} get no more requests")
-            self.wait_drained(sources)
-            remaining_versions = (self.loaded_versions() | {target}) - sources
-            self.log(f"retiring version(s) {sorted(sources)}: {self.model} now loads {sorted(remaining_versions)}")
-            self.set_versions(remaining_versions)
-            self.wait_unloaded(sources)
-        self.write_split({target: 100.0})
-        self.log(f"{self.model} version {target} serves all traffic")
+        for action in actions:
+            report = self.run(action, gate)
+            if report is None:
+                continue
+            reports.append(report)
+            self.log(report.line())
+            if report.breach:
+                self._breached(report, reports, action, on_breach)
         return reports
 
-    def _breached(self, report: StepReport, reports: list[StepReport], sources: set[int], current: int,
-                  on_breach: str):
+    def run(self, action: Action, gate: Gate = Gate()) -> StepReport | None:
+        """One action against the server (a ``Hold`` returns its report)."""
+        if isinstance(action, LoadVersions):
+            self.log(f"loading {self.model} version {action.added} beside {sorted(action.versions - {action.added})} "
+                     f"({', '.join(self.family.members)}; warmed by config before READY)")
+            self.set_versions(set(action.versions))
+        elif isinstance(action, LoadEnsembles):
+            self.load_ensembles(self.family.versioned_ensembles.get(action.version, ()))
+        elif isinstance(action, Pin):
+            self.pin(action.version)
+        elif isinstance(action, Warm):
+            self.warm(action.version)
+        elif isinstance(action, WriteSplit):
+            shares = action.as_dict()
+            self.write_split(shares)
+            self.log(f"router split {({v: round(s, 2) for v, s in shares.items() if s > 0})}")
+        elif isinstance(action, Hold):
+            return self.hold(action.share, action.target, set(action.sources), action.hold_s, gate)
+        elif isinstance(action, WaitDrained):
+            self.log(f"waiting until version(s) {sorted(action.versions)} get no more requests")
+            self.wait_drained(set(action.versions))
+        elif isinstance(action, Retire):
+            remaining_versions = (self.loaded_versions() | {action.keep}) - action.versions
+            self.log(f"retiring version(s) {sorted(action.versions)}: {self.model} now loads "
+                     f"{sorted(remaining_versions)}")
+            self.set_versions(remaining_versions)
+        elif isinstance(action, WaitUnloaded):
+            self.wait_unloaded(set(action.versions))
+        elif isinstance(action, Settle):
+            self.write_split({action.version: 100.0})
+            self.log(f"{self.model} version {action.version} serves all traffic")
+        else:
+            raise TypeError(f"not a rollout action: {action!r}")
+        return None
+
+    def _breached(self, report: StepReport, reports: list[StepReport], hold: Hold, on_breach: str):
         if on_breach == "stop":
             raise Breach(f"stopped at {report.share:g}%: {report.breach} (the split stays; `rollback` or "
                          f"`start` again)", reports, rolled_back=False)
-        back = current if current in sources or not sources else max(sources)
+        back = hold.rollback_to
         self.log(f"breach at {report.share:g}%: {report.breach}; rolling back to version {back}")
         self.move(back, steps=(100,), hold_s=0)
         raise Breach(f"rolled back to version {back} at {report.share:g}%: {report.breach}", reports, rolled_back=True)
@@ -556,14 +390,7 @@ class Rollout:
         self.log(f"{', '.join(self.members())} version {version} reloaded in {time.monotonic() - started:.1f} s")
         pinned = {e for e, v in self.pinned_versions().items() if v == version}
         self.load_ensembles(self.family.versioned_ensembles.get(version, ()))
-        from .client import TritonClient
-        from .warmup import warm_pipelines
-
-        client = TritonClient("http", self.control.http_url)
-        try:
-            warm_pipelines(client, self.control, sorted(pinned | set(self.family.versioned_ensembles.get(version, ()))))
-        finally:
-            client.close()
+        warm_server(self.control, sorted(pinned | set(self.family.versioned_ensembles.get(version, ()))))
 
     def _check_onnx(self, files: list[Path]) -> None:
         """A new ``model.onnx`` must take and give the tensors the served config names."""
@@ -582,23 +409,18 @@ class Rollout:
                                f"{self.model} serves {sorted(want[0])} → {sorted(want[1])}")
 
 
-def _ms(microseconds: float | None) -> float | None:
-    return None if microseconds is None else microseconds / 1000.0
-
-
 # ----------------------------------------------------------------------------------- CLI
 def connect(state_dir: Path | None) -> tuple[ControlClient, str]:
     """The running launcher's control endpoint and Triton's own metrics URL (from ``server.json``)."""
     control = ControlClient.from_state(state_dir)
-    directory = Path(state_dir or os.environ.get(STATE_ENV) or Path(".triton") / "8000")
-    server = json.loads((directory / "server.json").read_text())
-    if len(server.get("replicas", [])) > 1:
+    server = ServerState.read(state_dir)
+    if len(server.replicas) > 1:
         # Each replica is its own tritonserver with its own loaded versions: a rollout moving one of
         # them would leave nginx's round robin serving a mix.
-        raise RolloutError(f"the launcher runs {len(server['replicas'])} replicas; a rollout moves one server's "
+        raise RolloutError(f"the launcher runs {len(server.replicas)} replicas; a rollout moves one server's "
                            "versions: run it with --replicas 1 (several machines: one rollout per machine, "
                            "out of the load balancer while it runs)")
-    return control, f"http://{server['triton_metrics']}/metrics"
+    return control, f"http://{server.triton_metrics}/metrics"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -68,6 +68,22 @@ LANGUAGE_CODES = (
     "ha ba jw su yue"
 ).split()
 TASKS = ("transcribe", "translate")
+# What a request that names no language, task or max_new_tokens gets.
+DEFAULT_LANGUAGE = "en"
+DEFAULT_TASK = "transcribe"
+DEFAULT_MAX_NEW_TOKENS = 224
+
+# The parameters the builder writes into the Python models' config.pbtxt (the sources name none of
+# them): these constants are the one place each value lives (docs/design.md, "Change a limit").
+_AUDIO_LIMITS = {"max_audio_seconds": MAX_AUDIO_SECONDS, "max_audio_bytes": MAX_AUDIO_BYTES,
+                 "max_decoded_samples": MAX_DECODED_SAMPLES, "min_sample_rate": MIN_SAMPLE_RATE}
+_DECODE_DEFAULTS = {"default_language": DEFAULT_LANGUAGE, "default_task": DEFAULT_TASK,
+                    "max_new_tokens": DEFAULT_MAX_NEW_TOKENS}
+CONFIG_PARAMETERS = {
+    "audio_features": _AUDIO_LIMITS,
+    "whisper_decode": _DECODE_DEFAULTS,
+    "speech_recognition_stream": {**_DECODE_DEFAULTS, **_AUDIO_LIMITS},  # both steps in one model
+}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -272,7 +288,7 @@ class WhisperTokenizer:
         """51865 (tiny ... large-v2: 99 languages) or 51866 (large-v3: 100)."""
         return cls(vocab_file, num_languages=vocab_size - 51865 + 99)
 
-    def prompt(self, language: str = "en", task: str = "transcribe") -> list[int]:
+    def prompt(self, language: str = DEFAULT_LANGUAGE, task: str = DEFAULT_TASK) -> list[int]:
         """``<|startoftranscript|><|language|><|task|><|notimestamps|>``; InputError for an unknown
         language code or task."""
         if language not in self.languages:
@@ -518,8 +534,9 @@ class DecodeJob:
 
 def plan_request(tokenizer: WhisperTokenizer, features: np.ndarray, num_windows: np.ndarray | None,
                  language: np.ndarray | None = None, task: np.ndarray | None = None,
-                 max_new_tokens: np.ndarray | None = None, default_language: str = "en",
-                 default_task: str = "transcribe", default_max_new_tokens: int = 224) -> DecodeJob:
+                 max_new_tokens: np.ndarray | None = None, default_language: str = DEFAULT_LANGUAGE,
+                 default_task: str = DEFAULT_TASK,
+                 default_max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS) -> DecodeJob:
     """Validate one request's tensors (``features [items, windows, n_mels, 3000]``) → DecodeJob.
     ``max_new_tokens`` may lower the configured bound, never raise it past Whisper's 444."""
     items, padded = features.shape[0], features.shape[1]

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .api_keys import KEYS_FILE_ENV, KeyRing
-from .control import STATE_ENV
+from .server_state import STATE_ENV, resolve_state_dir
 from .spend_ledger import KeyLimits, SpendLedger, database_url, redacted_url, usd
 
 GROUPS = ("key", "model", "task", "day", "status")
@@ -120,7 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--until", type=_day, help="day after the last (YYYY-MM-DD, UTC)")
     parser.add_argument("--format", choices=("table", "csv", "json"), default="table")
     args = parser.parse_args(argv)
-    state_dir = args.state_dir or Path(os.environ.get(STATE_ENV) or Path(".triton") / "8000")
+    state_dir = resolve_state_dir(args.state_dir)
     url = args.database or database_url(state_dir)
     if url.startswith("sqlite:///") and not Path(url[len("sqlite:///"):]).exists():
         parser.error(f"no spend ledger at {url[len('sqlite:///'):]} (pass --database, --state-dir or set "

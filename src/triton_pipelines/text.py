@@ -22,6 +22,13 @@ LENGTH_BUCKETS = (16, 32, 64, 128, 256)
 # A request text larger than this is refused rather than tokenized: tokenizing 1 MB costs ~100 ms
 # of a shared CPU for a result truncated to 256 tokens anyway.
 MAX_TEXT_BYTES = 64 * 1024
+# The parameters the builder writes into text_tokenizer's config.pbtxt (the source names none of
+# them): these constants are the one place each value lives (docs/design.md, "Change a limit").
+# length_buckets "none" in a config override pads to the longest text only (ragged batching).
+CONFIG_PARAMETERS = {
+    "text_tokenizer": {"max_sequence_length": MAX_SEQUENCE_LENGTH, "max_text_bytes": MAX_TEXT_BYTES,
+                       "length_buckets": LENGTH_BUCKETS},
+}
 
 
 def decode_texts(raw: np.ndarray, input_name: str = "text", max_bytes: int = MAX_TEXT_BYTES) -> list[str]:

@@ -52,6 +52,8 @@ MAX_IMAGE_PIXELS = 50_000_000
 MAX_REQUEST_PIXELS = 100_000_000
 DEFAULT_TOP_K = 5
 MAX_TOP_K = 100
+# Images decoded at once by one image_preprocess instance.
+DECODE_THREADS = 2
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,20 @@ class PreprocessConfig:
                 raw = str(parameters[name]).strip()
                 values[name] = raw.lower() in ("1", "true") if kind == "bool" else int(raw)
         return cls(**values)
+
+    def limits(self) -> dict[str, int | bool]:
+        """Every limit and switch ``from_parameters`` reads, but the recipe's sizes and statistics:
+        what image_preprocess's config parameters hold."""
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.type in ("int", "bool") and f.name not in ("resize_shorter_side", "crop_size")}
+
+
+# The parameters the builder writes into the Python models' config.pbtxt (the sources name none of
+# them): these constants are the one place each value lives (docs/design.md, "Change a limit").
+CONFIG_PARAMETERS = {
+    "image_preprocess": {"decode_threads": DECODE_THREADS, **PreprocessConfig().limits()},
+    "classification_postprocess": {"default_top_k": DEFAULT_TOP_K, "max_top_k": MAX_TOP_K},
+}
 
 
 def resized_size(width: int, height: int, shorter_side: int) -> tuple[int, int]:
@@ -269,7 +285,7 @@ class ImagePreprocessor:
     A bad image fails only its own request.
     """
 
-    def __init__(self, config: PreprocessConfig = PreprocessConfig(), threads: int = 2):
+    def __init__(self, config: PreprocessConfig = PreprocessConfig(), threads: int = DECODE_THREADS):
         self.config = config
         self.threads = max(1, threads)
         self.pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="image-decode")

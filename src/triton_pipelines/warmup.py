@@ -5,7 +5,7 @@ zero-filled requests run on each instance before the version is READY), but an e
 instances and cannot be warmed that way, and the Python steps of a pipeline (tokenizer, pre- and
 post-processing, the BLS decode loop) have hand-written configs without warm-up samples. One real
 request through each ensemble runs every step once: the rollout sends it before an ensemble gets
-traffic, the launcher before it says the server is ready.
+traffic (``warm_server``), the launcher before it says the server is ready.
 
 A sample is chosen by input name (the names our pipelines use): ``text`` a short sentence, ``image``
 a small PNG, ``audio`` one second of silence as WAV. Optional inputs are left out, except
@@ -91,3 +91,16 @@ def warm_pipelines(client, control, ensembles: Iterable[str],
             continue
         warmed.append(Warmed(name, time.perf_counter() - started))
     return warmed
+
+
+def warm_server(control, ensembles: Iterable[str],
+                on_error: Callable[[str, Exception], None] | None = None) -> list[Warmed]:
+    """``warm_pipelines`` over HTTP to the server behind ``control`` (a ``ControlClient``), with a
+    client of its own, closed afterwards (the rollout's; ``Launcher.warm_pipelines`` still sets up its own)."""
+    from .client import TritonClient
+
+    client = TritonClient("http", control.http_url)
+    try:
+        return warm_pipelines(client, control, ensembles, on_error)
+    finally:
+        client.close()
