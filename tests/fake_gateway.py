@@ -3,7 +3,7 @@
 Real HTTP (``http.server``), no network beyond loopback. It records every request (path, headers,
 JSON body) and answers from a script: each queued ``Reply`` is used once, in order; with the queue
 empty it answers ``default``. A reply can be slow (``delay_s``), fail (``status``), be garbage
-(``raw``), or report the given usage.
+(``raw``), stream slowly (``chunk_delay_s``), or report the given usage.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ class Reply:
     headers: dict | None = None  # extra response headers, e.g. {"Retry-After": "1"}
     error_code: str | None = None  # a failure's error.code, e.g. "context_length_exceeded"
     error_message: str | None = None  # a failure's error.message
+    chunk_delay_s: float = 0.0  # streamed: the wait before each chunk after the first (a slow stream)
 
 
 def context_length_error() -> Reply:
@@ -94,7 +95,15 @@ class FakeGateway:
                     for name, value in (reply.headers or {}).items():
                         self.send_header(name, value)
                     self.end_headers()
-                    self.wfile.write(payload)
+                    if reply.chunk_delay_s and content_type == "text/event-stream":
+                        events = payload.split(b"\n\n")[:-1]
+                        for index, event in enumerate(events):
+                            if index:
+                                time.sleep(reply.chunk_delay_s)
+                            self.wfile.write(event + b"\n\n")
+                            self.wfile.flush()
+                    else:
+                        self.wfile.write(payload)
                 except (BrokenPipeError, ConnectionResetError):  # the client timed out and left
                     pass
 

@@ -198,6 +198,9 @@ def test_stream_yields_chunks_then_usage_with_cost_and_falls_back_before_the_fir
     assert final["choices"] == [] and final["usage"] == {"prompt_tokens": 11, "completion_tokens": 7,
                                                           "total_tokens": 18, "cost_usd": 0.0001545}
     assert final["x_gateway"]["fallback_from"] == "gpt-4.1" and final["x_gateway"]["fallback_reason"] == "rate_limited"
+    # the first chunk already says which model answers and why (the frontend's response headers)
+    assert chunks[0]["x_gateway"] == final["x_gateway"] and final["x_gateway"]["model"] == "claude-sonnet-4.5"
+    assert all("x_gateway" not in c for c in chunks[1:-1])
     assert [(r["model"], r["status"], r["cost_nusd"]) for r in gateway.ledger.rows()] == [
         ("gpt-4.1", "failed", 0), ("claude-sonnet-4.5", "success", 154_500)]
     assert fake.requests[-1].body["stream"] is True

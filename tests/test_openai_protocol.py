@@ -187,6 +187,64 @@ def test_bad_chat_requests_name_the_field(body, param):
     assert error.status == 400 and error.param == param
 
 
+def test_chat_arguments_for_the_gateway_service():
+    request = proto.parse_chat({"model": "gpt-4.1", "max_completion_tokens": 99999, "temperature": 0.5,
+                                "messages": [{"role": "user", "content": "hi", "extra": 1}]}, CATALOG)
+    assert proto.chat_arguments(request, 8192) == {
+        "model": "gpt-4.1", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8192, "temperature": 0.5}
+    request = proto.parse_chat({"model": "gpt-4.1", "messages": [{"role": "user", "content": "hi"}]}, CATALOG)
+    assert proto.chat_arguments(request, 8192)["max_tokens"] is None  # the route file's default
+
+
+def test_a_gateway_answer_is_a_chat_completion_naming_the_model_that_answered():
+    from decimal import Decimal
+
+    from triton_pipelines.gateway_service import GatewayAnswer
+
+    answer = GatewayAnswer("hi", "gpt-4.1", 11, 7, Decimal("0.000144"), "gemini-2.5-flash", "gemini-2.5-flash",
+                           "rate_limited", "team-a", "chatcmpl-1")
+    completion = proto.chat_completion(answer, 5)
+    assert completion["id"] == "chatcmpl-1" and completion["model"] == "gpt-4.1"
+    assert completion["usage"] == {"prompt_tokens": 11, "completion_tokens": 7, "total_tokens": 18,
+                                   "cost_usd": 0.000144}
+    assert completion["x_gateway"] == {"model": "gpt-4.1", "requested_model": "gemini-2.5-flash",
+                                       "fallback_from": "gemini-2.5-flash", "fallback_reason": "rate_limited",
+                                       "request_id": "chatcmpl-1"}
+    assert proto.gateway_headers(completion["x_gateway"], answer.cost_usd) == {
+        "x-gateway-model": "gpt-4.1", "x-gateway-requested-model": "gemini-2.5-flash", "x-request-id": "chatcmpl-1",
+        "x-fallback-from": "gemini-2.5-flash", "x-fallback-reason": "rate_limited", "x-request-cost-usd": "0.000144"}
+    assert "x-fallback-from" not in proto.gateway_headers({"model": "gpt-4.1", "requested_model": "gpt-4.1"})
+    assert proto.usd_text(Decimal("1E-7")) == "0.0000001" and proto.usd_text(Decimal("0")) == "0"
+
+
+def test_streamed_chunks_lose_x_gateway_and_the_usage_chunk_needs_include_usage():
+    chunk = {"id": "c", "choices": [{"delta": {"content": "a"}}], "x_gateway": {"model": "m"}}
+    final = {"id": "c", "choices": [], "usage": {"cost_usd": 0.1}, "x_gateway": {"model": "m"}}
+    assert proto.chat_chunk(chunk, False) == {"id": "c", "choices": [{"delta": {"content": "a"}}]}
+    assert proto.chat_chunk(chunk, True)["usage"] is None
+    assert proto.chat_chunk(final, False) is None and proto.chat_chunk(final, True) == final
+
+
+def test_gateway_refusals_and_failures_are_openai_errors():
+    from triton_pipelines.errors import InputError
+    from triton_pipelines.gateway_service import GatewayRefusal
+    from triton_pipelines.routing import RouteError
+
+    error = proto.gateway_failure(GatewayRefusal(429, "over_budget", "key team-a has spent its budget of $0.005",
+                                                 12.2, "insufficient_quota", "budget_exceeded", "budget"))
+    assert (error.status, error.type, error.code, dict(error.headers)) == (
+        429, "insufficient_quota", "budget_exceeded", {"Retry-After": "13"})
+    error = proto.gateway_failure(GatewayRefusal(403, "model_not_allowed", "key team-a may not use model gpt-4.1"))
+    assert (error.status, error.type, error.code) == (403, "permission_error", "model_not_allowed")
+    error = proto.gateway_failure(RouteError("context_window", "too long"))
+    assert (error.status, error.code, error.param) == (400, "context_length_exceeded", "messages")
+    error = proto.gateway_failure(RouteError("circuit_open", "cooling down", 4.5))
+    assert error.status == 503 and error.headers == {"Retry-After": "5"}
+    assert proto.gateway_failure(RouteError("timeout", "slow")).status == 504
+    assert proto.gateway_failure(RouteError("upstream_status", "HTTP 500")).status == 502
+    assert proto.gateway_failure(InputError("bad")).status == 400
+
+
 def test_sse_framing():
     assert proto.sse({"a": 1}) == b'data: {"a":1}\n\n'
     assert proto.sse({"a": 1}, event="x") == b'event: x\ndata: {"a":1}\n\n'

@@ -246,6 +246,8 @@ def test_chat_completion_through_the_gateway_with_exact_cost(client, gateway):
     # claude-sonnet-4.5: 4.50 $/M input, 15.00 $/M output
     assert completion.usage.model_extra["cost_usd"] == pytest.approx(0.0045 + 0.0075)
     assert float(raw.headers["x-request-cost-usd"]) == pytest.approx(0.012)
+    assert raw.headers["x-gateway-model"] == completion.model == "claude-sonnet-4.5"
+    assert "x-fallback-from" not in raw.headers and completion.model_extra["x_gateway"]["fallback_from"] is None
     sent = gateway.requests[-1]
     assert sent.body["model"] == "claude-sonnet-4.5" and sent.headers["authorization"] == f"Bearer {GATEWAY_KEY}"
     assert KEY not in json.dumps(sent.headers)  # the client's key never goes upstream
@@ -276,14 +278,16 @@ def test_chat_errors(client, server, gateway):
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model="text_embedding", messages=[{"role": "user", "content": "x"}])
     assert caught.value.body["param"] == "model"
-    # a key limited to deepseek-v3.2 does not reach gpt-4.1
+    # a key limited to deepseek-v3.2 does not reach gpt-4.1 (GatewayService: 403, as on the router)
     limited = openai.OpenAI(base_url=f"http://{server.http_url}/v1", api_key=OTHER_KEY, max_retries=0)
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.PermissionDeniedError) as caught:
         limited.chat.completions.create(model="gpt-4.1", messages=[{"role": "user", "content": "x"}])
-    gateway.default = Reply(status=500)
+    assert caught.value.code == "model_not_allowed" and OTHER_KEY not in str(caught.value.body)
+    gateway.default = Reply(status=500)  # every model: the fallbacks fail too
     with pytest.raises(openai.APIStatusError) as caught:
         client.chat.completions.create(model="gemini-2.5-flash", messages=[{"role": "user", "content": "x"}])
     assert caught.value.status_code == 502 and GATEWAY_KEY not in str(caught.value.body)
+    assert "models tried: gemini-2.5-flash: upstream_error, gpt-4.1" in caught.value.message
 
 
 def test_metrics_by_endpoint_and_model_never_show_a_key(client, server):
@@ -293,7 +297,8 @@ def test_metrics_by_endpoint_and_model_never_show_a_key(client, server):
     assert 'openai_request_duration_seconds_bucket{endpoint="/v1/embeddings",model="text_embedding",le="+Inf"}' \
         in metrics
     assert "launcher_openai_frontend_restarts_total 0" in metrics
-    assert KEY not in metrics and OTHER_KEY not in metrics and "team-a" not in metrics
+    assert KEY not in metrics and OTHER_KEY not in metrics  # key names only as the spend metrics' key_name
+    assert all('key_name="team-' in line for line in metrics.splitlines() if "team-" in line)
     assert base64.b64encode(KEY.encode()).decode() not in metrics
 
 

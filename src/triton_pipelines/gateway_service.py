@@ -434,9 +434,11 @@ class GatewayService:
         dicts as the gateway sends them (their own ``usage`` removed), then one last chunk with no
         choices whose ``usage`` holds ``prompt_tokens``, ``completion_tokens``, ``total_tokens`` and
         ``cost_usd``, and whose ``x_gateway`` names ``model``, ``requested_model``,
-        ``fallback_from``, ``fallback_reason``, ``request_id``. Fallbacks happen only before the
-        first chunk. A stream that breaks after it, or that reports no usage, is charged its
-        reservation (tokens went out; the real figure is unknown)."""
+        ``fallback_from``, ``fallback_reason``, ``request_id``. The first chunk carries the same
+        ``x_gateway`` (which model answers and why is known before any text: fallbacks happen only
+        before the first chunk), so that a caller can say it up front (response headers). A stream
+        that breaks after it, or that reports no usage, is charged its reservation (tokens went
+        out; the real figure is unknown)."""
         plan = self._plan(api_key, messages, task, model, max_tokens, tier, deadline_s, request_id)
         chain, attempts, last_error, admitted_once = list(plan.chain), [], None, False
         while chain:
@@ -460,6 +462,11 @@ class GatewayService:
                 chain = await self._fall_back(error, row, current, chain, attempts, started, was_open, task, api_key)
                 last_error = error
                 continue
+            except BaseException:  # closed or cancelled before the first chunk (the client left): the
+                # request went out, the figure is unknown: its reservation, now rather than when abandoned
+                await self._settle(row, "failed", cost_nusd=self._reserved(plan, current),
+                                   latency_s=time.monotonic() - started, outcome="stream_interrupted")
+                raise
             relay = self._relay(call, row, plan, current, attempts, started, api_key)
             try:
                 async for item in relay:
@@ -476,12 +483,17 @@ class GatewayService:
         reason = fallback_label(attempts[0]) if attempts and fallback_from else None
         settled = False
         chunks = call.__aiter__()
+        gateway = {"model": current, "requested_model": requested, "fallback_from": fallback_from,
+                   "fallback_reason": reason, "request_id": plan.request_id}
         try:
             last: dict = {}
+            first = True
             async for chunk in chunks:
                 last = chunk
                 chunk.pop("usage", None)
                 if chunk.get("choices"):
+                    if first:
+                        chunk["x_gateway"], first = dict(gateway), False
                     yield chunk
             if call.usage is None:
                 input_tokens = output_tokens = None
@@ -505,8 +517,7 @@ class GatewayService:
                    "usage": {"prompt_tokens": input_tokens, "completion_tokens": output_tokens,
                              "total_tokens": None if call.usage is None else input_tokens + output_tokens,
                              "cost_usd": float(usd(charged))},
-                   "x_gateway": {"model": current, "requested_model": requested, "fallback_from": fallback_from,
-                                 "fallback_reason": reason, "request_id": plan.request_id}}
+                   "x_gateway": gateway}
         finally:
             await chunks.aclose()  # the upstream stream closes now
             if not settled:  # broken mid-way or abandoned by its client: tokens went out, figure unknown

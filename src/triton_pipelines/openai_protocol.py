@@ -11,6 +11,10 @@ launcher runs behind nginx's ``/v1/``) is a thin layer over this module, and
   self-hosted pipelines under their ensemble names (``owned_by: "self-hosted"``; alias ``whisper-1``
   for ``speech_recognition``) and the gateway models of the route table (``owned_by: "gateway"``).
 - ``EmbeddingsRequest``, ``TranscriptionRequest``, ``ChatRequest``: a body → validated fields.
+- Chat over ``GatewayService`` (budgets, rate limits, fallbacks, the spend ledger): a request →
+  its arguments (``chat_arguments``), its answer → ``chat.completion`` (``chat_completion``) with
+  the headers saying which model answered and why (``gateway_headers``), a streamed chunk → what
+  the client gets (``chat_chunk``), a refusal or failure → the OpenAI error (``gateway_failure``).
 - Transcripts in every ``response_format`` (json, text, verbose_json, srt, vtt) from
   ``Segment``s (one per Whisper window of at most 30 s, cut in pauses: docs/openai.md).
 - ``sse``: one server-sent event.
@@ -21,6 +25,7 @@ from __future__ import annotations
 import base64
 import json
 import math
+from decimal import Decimal
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -424,6 +429,106 @@ def parse_chat(body: Mapping, catalog: ModelCatalog) -> ChatRequest:
     if n not in (None, 1):
         raise invalid("'n' must be 1", "n")
     return ChatRequest(name, dict(body, model=name), stream, include_usage)
+
+
+# The fields of a message passed on to the gateway (others, e.g. tool_calls, are not forwarded).
+CHAT_MESSAGE_FIELDS = ("role", "content", "name", "tool_call_id")
+
+
+def chat_arguments(request: ChatRequest, max_tokens_limit: int) -> dict:
+    """A validated chat request → the keyword arguments of ``GatewayService.acomplete``/``astream``
+    (``max_tokens``: ``max_completion_tokens`` or ``max_tokens``, at most the route file's limit;
+    None: the route file's default)."""
+    body = request.body
+    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+    return {"model": request.model,
+            "messages": [{k: v for k, v in message.items() if k in CHAT_MESSAGE_FIELDS} for message in body["messages"]],
+            "max_tokens": None if max_tokens is None else min(int(max_tokens), max_tokens_limit),
+            "temperature": body.get("temperature")}
+
+
+def gateway_info(answer) -> dict:
+    """Which model answered and why (a ``GatewayAnswer``): the ``x_gateway`` extension field."""
+    return {"model": answer.model, "requested_model": answer.requested_model, "fallback_from": answer.fallback_from,
+            "fallback_reason": answer.fallback_reason, "request_id": answer.request_id}
+
+
+def usd_text(cost) -> str:
+    """A cost as plain decimal text (``0.012``, never ``1.2E-2``)."""
+    text = format(Decimal(str(cost)), "f")
+    return (text.rstrip("0").rstrip(".") if "." in text else text) or "0"
+
+
+def gateway_headers(info: Mapping, cost_usd=None) -> dict:
+    """Response headers saying which model answered and why: ``x-gateway-model``,
+    ``x-gateway-requested-model``, ``x-request-id`` (the ledger's request id), and after a fallback
+    ``x-fallback-from`` and ``x-fallback-reason``; ``x-request-cost-usd`` when the cost is known."""
+    headers = {"x-gateway-model": str(info.get("model") or ""),
+               "x-gateway-requested-model": str(info.get("requested_model") or ""),
+               "x-request-id": str(info.get("request_id") or "")}
+    if info.get("fallback_from"):
+        headers["x-fallback-from"] = str(info["fallback_from"])
+        headers["x-fallback-reason"] = str(info.get("fallback_reason") or "unknown")
+    if cost_usd is not None:
+        headers["x-request-cost-usd"] = usd_text(cost_usd)
+    return {name: value for name, value in headers.items() if value}
+
+
+def chat_completion(answer, created: int) -> dict:
+    """A ``GatewayAnswer`` → an OpenAI ``chat.completion``: ``id`` is the request id of the spend
+    ledger's rows, ``model`` the model that answered, ``usage.cost_usd`` the exact cost, and the
+    extension field ``x_gateway`` (``gateway_info``)."""
+    return {
+        "id": answer.request_id, "object": "chat.completion", "created": created, "model": answer.model,
+        "choices": [{"index": 0, "finish_reason": answer.finish_reason or "stop",
+                     "message": {"role": "assistant", "content": answer.text}}],
+        "usage": {"prompt_tokens": answer.input_tokens, "completion_tokens": answer.output_tokens,
+                  "total_tokens": answer.input_tokens + answer.output_tokens, "cost_usd": float(answer.cost_usd)},
+        "x_gateway": gateway_info(answer),
+    }
+
+
+def chat_chunk(chunk: dict, include_usage: bool) -> dict | None:
+    """A chunk of ``GatewayService.astream`` → what the client gets (None: nothing). The gateway's
+    chunks lose ``x_gateway`` (the response headers say it) and, with ``include_usage``, carry
+    ``usage: null`` as OpenAI's do; the service's last chunk (no choices; usage with ``cost_usd``,
+    and ``x_gateway`` kept as an extension field) is sent only with ``include_usage``."""
+    if chunk.get("choices"):
+        chunk = {k: v for k, v in chunk.items() if k != "x_gateway"}
+        if include_usage:
+            chunk["usage"] = None
+        return chunk
+    return chunk if include_usage else None
+
+
+# RouteError reasons (the gateway failed on every model of the request) → status, type, code.
+GATEWAY_FAILURES = {
+    "not_configured": (503, "server_error", "gateway_not_configured"),
+    "circuit_open": (503, "server_error", "circuit_open"),
+    "ledger_unavailable": (503, "server_error", "ledger_unavailable"),
+    "timeout": (504, "server_error", "upstream_timeout"),
+    "unreachable": (502, "server_error", "upstream_unreachable"),
+    "upstream_status": (502, "server_error", "upstream_error"),
+    "bad_response": (502, "server_error", "upstream_bad_response"),
+    "rejected": (400, "invalid_request_error", "upstream_rejected"),
+    "context_window": (400, "invalid_request_error", "context_length_exceeded"),
+}
+
+
+def gateway_failure(error: Exception) -> OpenAIError:
+    """A failure of ``GatewayService`` → the OpenAI error: a refusal (``GatewayRefusal``: 401, 403,
+    429 with ``Retry-After``), bad input (``InputError``: 400), or the gateway failing on every
+    model tried (``RouteError``: by reason, ``GATEWAY_FAILURES``)."""
+    retry = getattr(error, "retry_after_s", None)
+    headers = {"Retry-After": str(max(1, math.ceil(retry)))} if retry else {}
+    if hasattr(error, "openai_type"):  # GatewayRefusal
+        return OpenAIError(error.status, error.message, error.openai_type, None, error.openai_code, headers)
+    reason = getattr(error, "reason", None)
+    if reason is None:  # InputError
+        return invalid(str(error), "model")
+    status, kind, code = GATEWAY_FAILURES.get(reason, (502, "server_error", "upstream_error"))
+    return OpenAIError(status, str(error), kind, "messages" if reason == "context_window" else None, code,
+                       headers if status in (429, 503) else {})
 
 
 # ----------------------------------------------------------------------------------- SSE

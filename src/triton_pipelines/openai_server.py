@@ -9,15 +9,21 @@ with ``tritonclient.grpc.aio`` (round robin, a refused replica skipped), through
 batching: ``/v1/embeddings`` sends at most the pipeline's max batch (64) strings per request, so a
 list of 64 strings is one ``text_embedding`` request. Audio goes to ``speech_recognition_stream``
 (decoupled, gRPC ModelStreamInfer): its partial transcripts become the SSE ``transcript.text.delta``
-events; without ``stream`` only its final response is asked for. Chat goes to the chat backend seam
-(``chat_backend.py``) in a bounded thread pool.
+events; without ``stream`` only its final response is asked for. Chat goes through
+``gateway_service.GatewayService`` on this process's event loop (``acomplete``/``astream``), as the
+native router's gateway tasks do: the key's model allow-list, budget, rpm and tpm, fallbacks,
+cooldowns and the spend ledger (``$SPEND_DATABASE_URL``, which the launcher sets to the ledger the
+replicas' routers use, so both paths spend one budget).
 
 What a request may be and what it gets back is ``openai_protocol.py``; this module only moves bytes.
-Keys (``$TRITON_API_KEYS_FILE``, ``api_keys.py``): every ``/v1`` request needs a known bearer key
-when the file is set; the key found is ``request["api_key"]``. Keys never reach logs or metrics.
+Keys (``$TRITON_API_KEYS_FILE``, ``api_keys.py``; the gateway service's key ring): every ``/v1``
+request needs a known bearer key when the file is set; the key found is ``request["api_key"]``.
+Keys never reach logs, metrics, responses or the ledger (a hash and the name).
 Metrics (``GET /metrics`` on the loopback port; the launcher appends them to the public
 ``:8002/metrics``): ``openai_requests_total``, ``openai_request_duration_seconds``,
-``openai_streamed_responses_total``, ``openai_stream_disconnects_total``.
+``openai_streamed_responses_total``, ``openai_stream_disconnects_total``; chat's gateway figures
+``openai_spend_usd_total``, ``openai_budget_remaining_usd``, ``openai_fallbacks_total``,
+``openai_cooldowns_total``, ``openai_refusals_total`` (the router's are ``router_*``).
 """
 
 from __future__ import annotations
@@ -30,22 +36,26 @@ import signal
 import sys
 import threading
 import time
+import uuid
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 
 from . import openai_protocol as proto
 from .api_keys import KeyRing, bearer_secret, keys_from_environment
+from .errors import InputError
+from .gateway_service import GatewayRefusal
 from .layout import BuiltManifest
+from .routing import RouteError
 from .screen import restarting_model_message
 
+GATEWAY_ERRORS = (GatewayRefusal, RouteError, InputError)  # what GatewayService raises for a request
 EMBEDDING_BATCH = 64  # text_embedding's max_batch_size
 STREAM_MODEL = "speech_recognition_stream"
 TRITON_TIMEOUT_S = 60.0
 SPEECH_TIMEOUT_S = 300.0
-CHAT_THREADS = 16
+CHAT_IN_FLIGHT = 64  # chat completions in flight on this process; more: 429
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 
 
@@ -60,6 +70,34 @@ class Metrics:
         self.disconnects: Counter = Counter()
         self.buckets: dict[tuple[str, str], list[int]] = {}
         self.sums: Counter = Counter()
+        # GatewayService's spend recorder (gateway_service.SpendRecorder): /v1 chat's share
+        self.spent: Counter = Counter()
+        self.fallbacks: Counter = Counter()
+        self.cooldowns: Counter = Counter()
+        self.refusals: Counter = Counter()
+        self.budgets: dict[str, float] = {}
+
+    def spend(self, key_name: str, model: str, cost_usd: float) -> None:
+        with self.lock:
+            self.spent[(key_name, model)] += cost_usd
+
+    def budget(self, key_name: str, remaining_usd: float | None, window_spend_usd: float,
+               soft_budget_usd: float | None) -> None:
+        if remaining_usd is not None:
+            with self.lock:
+                self.budgets[key_name] = remaining_usd
+
+    def fallback(self, from_model: str, to_model: str, reason: str) -> None:
+        with self.lock:
+            self.fallbacks[(from_model, to_model, reason)] += 1
+
+    def cooldown(self, model: str) -> None:
+        with self.lock:
+            self.cooldowns[model] += 1
+
+    def refusal(self, key_name: str, reason: str) -> None:
+        with self.lock:
+            self.refusals[(key_name, reason)] += 1
 
     def model_label(self, model) -> str:
         return model if isinstance(model, str) and model in self.known else ("" if model is None else "other")
@@ -101,6 +139,24 @@ class Metrics:
                       "Triton stream was cancelled)", "# TYPE openai_stream_disconnects_total counter"]
             lines += [f'openai_stream_disconnects_total{{endpoint="{e}",model="{m}"}} {n}'
                       for (e, m), n in sorted(self.disconnects.items())]
+            lines += ["# HELP openai_spend_usd_total settled spend of /v1/chat/completions by key name and model "
+                      "(the router's: router_spend_usd_total)", "# TYPE openai_spend_usd_total counter"]
+            lines += [f'openai_spend_usd_total{{key_name="{k}",model="{m}"}} {v:.9f}'
+                      for (k, m), v in sorted(self.spent.items())]
+            lines += ["# HELP openai_budget_remaining_usd a key's budget less spend and reservations in its window "
+                      "(the shared ledger, read after each /v1 chat call)", "# TYPE openai_budget_remaining_usd gauge"]
+            lines += [f'openai_budget_remaining_usd{{key_name="{k}"}} {v:.9f}' for k, v in sorted(self.budgets.items())]
+            lines += ["# HELP openai_fallbacks_total /v1 chat completions answered by another model than asked",
+                      "# TYPE openai_fallbacks_total counter"]
+            lines += [f'openai_fallbacks_total{{from="{f}",to="{t}",reason="{r}"}} {n}'
+                      for (f, t, r), n in sorted(self.fallbacks.items())]
+            lines += ["# HELP openai_cooldowns_total times a gateway model's circuit opened in this frontend",
+                      "# TYPE openai_cooldowns_total counter"]
+            lines += [f'openai_cooldowns_total{{model="{m}"}} {n}' for m, n in sorted(self.cooldowns.items())]
+            lines += ["# HELP openai_refusals_total /v1 chat completions refused by a key's limits or models",
+                      "# TYPE openai_refusals_total counter"]
+            lines += [f'openai_refusals_total{{key_name="{k}",reason="{r}"}} {n}'
+                      for (k, r), n in sorted(self.refusals.items())]
         return "\n".join(lines) + "\n"
 
 
@@ -178,14 +234,14 @@ def bytes_input(grpcclient, name: str, values: list[bytes]):
 
 class Frontend:
     def __init__(self, triton: Triton, catalog: proto.ModelCatalog, keys: KeyRing | None, token_counter,
-                 chat_backend=None, language_codes=(), triton_timeout_s: float = TRITON_TIMEOUT_S):
+                 gateway=None, language_codes=(), triton_timeout_s: float = TRITON_TIMEOUT_S):
         self.triton, self.catalog, self.keys = triton, catalog, keys
         self.count_tokens = token_counter
-        self.chat = chat_backend
+        self.gateway = gateway  # gateway_service.GatewayService, or None without a route table
         self.language_codes = tuple(language_codes)
         self.timeout_s = triton_timeout_s
-        self.pool = ThreadPoolExecutor(max_workers=CHAT_THREADS, thread_name_prefix="chat")
-        self.chat_slots = asyncio.Semaphore(CHAT_THREADS * 4)
+        self.chat_slots = asyncio.Semaphore(CHAT_IN_FLIGHT)
+        self.chat_calls: set[asyncio.Future] = set()  # calls whose client left, finishing to settle
         known = {row["id"] for row in catalog.entries()}
         self.metrics = Metrics(known)
         self.draining = False
@@ -384,65 +440,86 @@ class Frontend:
 
     # ----------------------------------------------------------------------------- chat
     async def chat_completions(self, request):
-        from aiohttp import web
-
-        from .chat_backend import ChatError
-
+        """Through ``GatewayService``: refusals (403 model not allowed for the key; 429 budget, rpm,
+        tpm with ``Retry-After``) before the gateway is called, fallbacks, the ledger. The answer
+        names the model that answered and why (headers ``x-gateway-model``, ``x-fallback-from``,
+        ``x-fallback-reason``; field ``x_gateway``) and its cost (``usage.cost_usd``,
+        ``x-request-cost-usd``)."""
         body = await self.json_body(request)
         request["model"] = body.get("model")
         parsed = proto.parse_chat(body, self.catalog)
-        api_key = request["api_key"]
-        if api_key is not None and not api_key.allows_model(parsed.model):
-            raise proto.model_not_found(parsed.model)
-        if self.chat is None or not self.chat.configured:
+        if self.gateway is None or not self.gateway.client.configured:
             raise proto.unavailable("the external gateway is not configured: set LLM_GATEWAY_BASE_URL and "
                                     "LLM_GATEWAY_API_KEY in the server's environment", None)
         if self.chat_slots.locked():
             raise proto.rate_limited("too many chat completions in flight on this server: retry shortly")
-        loop = asyncio.get_running_loop()
-
-        def failure(error: ChatError) -> proto.OpenAIError:
-            kind = "invalid_request_error" if error.status < 500 else "server_error"
-            retry = {"Retry-After": str(max(1, int(error.retry_after_s + 0.999)))} if error.retry_after_s else {}
-            return proto.OpenAIError(error.status, str(error), kind, None, error.code, retry)
-
+        arguments = proto.chat_arguments(parsed, self.gateway.table.gateway.max_tokens_limit)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"  # the id of the response and of its ledger rows
         async with self.chat_slots:
-            if not parsed.stream:
-                try:
-                    answer = await loop.run_in_executor(self.pool, self.chat.complete, api_key, parsed.body)
-                except ChatError as error:
-                    raise failure(error) from None
-                cost = answer.get("usage", {}).get("cost_usd")
-                headers = {"x-request-cost-usd": f"{cost:.10f}".rstrip("0").rstrip(".")} if cost is not None else {}
-                return self.reply(answer, headers=headers)
-            chunks = self.chat.stream(api_key, parsed.body)
-            sentinel = object()
+            if parsed.stream:
+                return await self.chat_events(request, parsed, arguments, request_id)
+            # A client that leaves does not cancel the call: it finishes and is settled at its real
+            # cost (the provider bills it anyway) rather than abandoned at its reservation.
+            call = asyncio.ensure_future(self.gateway.acomplete(request["api_key"], request_id=request_id,
+                                                                **arguments))
+            self.chat_calls.add(call)
+            call.add_done_callback(lambda done: (self.chat_calls.discard(done),
+                                                 done.cancelled() or done.exception()))
             try:
-                first = await loop.run_in_executor(self.pool, next, chunks, sentinel)
-            except ChatError as error:
-                raise failure(error) from None
+                answer = await asyncio.shield(call)
+            except GATEWAY_ERRORS as error:
+                raise proto.gateway_failure(error) from None
+            completion = proto.chat_completion(answer, int(time.time()))
+            return self.reply(completion, headers=proto.gateway_headers(completion["x_gateway"], answer.cost_usd))
+
+    async def chat_events(self, request, parsed: proto.ChatRequest, arguments: dict, request_id: str):
+        """A streamed completion: the gateway's chunks as server-sent events; the headers say which
+        model answers (known before the first chunk: fallbacks happen only before it); the last
+        event before ``[DONE]`` is the usage with ``cost_usd`` when ``stream_options.include_usage``.
+        A client that leaves closes the service's stream (the upstream call stops; the ledger
+        charges its reservation)."""
+        from aiohttp import web
+
+        chunks = self.gateway.astream(request["api_key"], request_id=request_id, **arguments)
+        endpoint = "/v1/chat/completions"
+        try:
+            try:
+                first = await chunks.__anext__()
+            except StopAsyncIteration:
+                raise proto.unavailable("the gateway's stream ended before its first chunk") from None
+            except GATEWAY_ERRORS as error:
+                raise proto.gateway_failure(error) from None
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                                   "X-Accel-Buffering": "no"})
+                                                   "X-Accel-Buffering": "no",
+                                                   **proto.gateway_headers(first.get("x_gateway") or {})})
             await response.prepare(request)
-            self.metrics.streamed("/v1/chat/completions", parsed.model)
+            self.metrics.streamed(endpoint, parsed.model)
             chunk = first
             try:
-                while chunk is not sentinel:
-                    await response.write(proto.sse(chunk))
+                while chunk is not None:
+                    sent = proto.chat_chunk(chunk, parsed.include_usage)
+                    if sent is not None:
+                        await response.write(proto.sse(sent))
                     try:
-                        chunk = await loop.run_in_executor(self.pool, next, chunks, sentinel)
-                    except ChatError as error:
-                        await response.write(proto.sse(failure(error).body()))
+                        chunk = await chunks.__anext__()
+                    except StopAsyncIteration:
+                        chunk = None
+                    except GATEWAY_ERRORS as error:  # broke after the first chunk: said in the stream
+                        await response.write(proto.sse(proto.gateway_failure(error).body()))
                         break
                 await response.write(proto.SSE_DONE)
             except (ConnectionResetError, asyncio.CancelledError):
-                self.metrics.streamed("/v1/chat/completions", parsed.model, disconnected=True)
-                close = getattr(chunks, "close", None)
-                if close:
-                    close()
+                self.metrics.streamed(endpoint, parsed.model, disconnected=True)
                 raise
             await response.write_eof()
             return response
+        finally:
+            await chunks.aclose()  # settled now, whatever happened; the upstream stream is closed
+
+    async def finish_chat_calls(self, timeout_s: float) -> None:
+        """At a stop: calls whose client left finish (and are settled) within ``timeout_s``."""
+        if self.chat_calls:
+            await asyncio.wait(set(self.chat_calls), timeout=timeout_s)
 
 
 async def read_multipart(request) -> tuple[dict[str, str], str | None, bytes | None]:
@@ -549,20 +626,26 @@ async def serve(args: argparse.Namespace) -> None:
 
     from .speech import LANGUAGE_CODES
 
-    keys = keys_from_environment()
     try:
         public = BuiltManifest.read(args.model_repository).public_models
     except (OSError, ValueError):
         public = None
     table = route_table(args.model_repository)
     catalog = proto.ModelCatalog.build(public, table.prices if table else (), created=int(time.time()))
-    chat = None
+    gateway = None
     if table is not None:
-        from .chat_backend import GatewayChatBackend
+        from .gateway_service import GatewayService
 
-        chat = GatewayChatBackend(table)
+        # Keys from $TRITON_API_KEYS_FILE, the ledger from $SPEND_DATABASE_URL (the launcher's, shared
+        # with the routers), the gateway from $LLM_GATEWAY_*: the router's service, in this process.
+        gateway = GatewayService.from_environment(
+            table, log=lambda line: print(f"[openai] {line}", file=sys.stderr, flush=True))
+    keys = gateway.keys if gateway is not None else keys_from_environment()
     triton = Triton(args.triton_grpc)
-    frontend = Frontend(triton, catalog, keys, token_counter(args.model_repository), chat, LANGUAGE_CODES)
+    frontend = Frontend(triton, catalog, keys, token_counter(args.model_repository), gateway, LANGUAGE_CODES)
+    if gateway is not None:
+        gateway.recorder = frontend.metrics  # spend, budgets, fallbacks, cooldowns, refusals of /v1 chat
+        gateway.publish_budgets()
     runner = web.AppRunner(frontend.app(), access_log=None, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, args.listen, args.port, backlog=1024)
@@ -580,8 +663,11 @@ async def serve(args: argparse.Namespace) -> None:
     await runner.shutdown()
     await runner.cleanup()
     await triton.close()
-    if chat is not None:
-        chat.close()
+    if gateway is not None:
+        await frontend.finish_chat_calls(timeout_s=table.gateway.deadline_s)
+        await gateway.client.close()
+        if gateway.ledger is not None:
+            gateway.ledger.close()
 
 
 def main(argv: list[str] | None = None) -> int:
