@@ -54,6 +54,12 @@ ROUTER_GATEWAY = {"router_gateway_tokens_total": "counter", "router_gateway_cost
                   "router_key_window_spend_usd": "gauge", "router_key_soft_budget_usd": "gauge",
                   "router_fallbacks_total": "counter", "router_cooldowns_total": "counter",
                   "router_refusals_total": "counter"}
+# The OpenAI-compatible frontend's (openai_server.py), merged into :8002/metrics by the launcher
+# (tests/test_openai_server.py and tests/test_gateway_chat.py read them through a server).
+OPENAI_FRONTEND = {"openai_requests_total": "counter", "openai_spend_usd_total": "counter",
+                   "openai_budget_remaining_usd": "gauge", "openai_key_window_spend_usd": "gauge",
+                   "openai_key_soft_budget_usd": "gauge", "openai_fallbacks_total": "counter",
+                   "openai_cooldowns_total": "counter", "openai_refusals_total": "counter"}
 # Announced by the lead (router gauge, launcher metrics), not in this tree yet: when a server
 # exports one, tests/test_prometheus_live.py checks its type.
 ANNOUNCED = {
@@ -64,7 +70,7 @@ ANNOUNCED = {
     "launcher_model_ready": "gauge",
 }
 PROMETHEUS_OWN = {"up": "gauge"}
-RAW_METRICS = {**TRITON_EXPORTED, **TRITON_GPU, **ROUTER_EXPORTED, **ROUTER_GATEWAY, **ANNOUNCED, **PROMETHEUS_OWN}
+RAW_METRICS = {**TRITON_EXPORTED, **TRITON_GPU, **ROUTER_EXPORTED, **ROUTER_GATEWAY, **OPENAI_FRONTEND, **ANNOUNCED, **PROMETHEUS_OWN}
 SERIES_SUFFIXES = {"summary": ("", "_sum", "_count"), "histogram": ("_bucket", "_sum", "_count")}
 
 

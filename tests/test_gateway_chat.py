@@ -131,6 +131,8 @@ def test_a_budget_spent_on_the_router_is_seen_on_chat_completions_and_the_revers
     assert prometheus_text.total(samples, "openai_spend_usd_total", key_name="team-chat-first") == pytest.approx(
         float(sum(costs)))
     assert prometheus_text.total(samples, "openai_budget_remaining_usd", key_name="team-chat-first") == 0
+    # what the GatewayKeySoftBudgetExceeded alert reads for a key that spends through /v1
+    assert prometheus_text.total(samples, "openai_key_window_spend_usd", key_name="team-chat-first") >= 0.001
     assert prometheus_text.total(samples, "openai_refusals_total", key_name="team-router-first",
                                  reason="over_budget") == 1
 

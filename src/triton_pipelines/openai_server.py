@@ -76,6 +76,8 @@ class Metrics:
         self.cooldowns: Counter = Counter()
         self.refusals: Counter = Counter()
         self.budgets: dict[str, float] = {}
+        self.window_spend: dict[str, float] = {}
+        self.soft_budgets: dict[str, float] = {}
 
     def spend(self, key_name: str, model: str, cost_usd: float) -> None:
         with self.lock:
@@ -83,9 +85,12 @@ class Metrics:
 
     def budget(self, key_name: str, remaining_usd: float | None, window_spend_usd: float,
                soft_budget_usd: float | None) -> None:
-        if remaining_usd is not None:
-            with self.lock:
+        with self.lock:
+            if remaining_usd is not None:
                 self.budgets[key_name] = remaining_usd
+            self.window_spend[key_name] = window_spend_usd
+            if soft_budget_usd is not None:
+                self.soft_budgets[key_name] = soft_budget_usd
 
     def fallback(self, from_model: str, to_model: str, reason: str) -> None:
         with self.lock:
@@ -146,6 +151,13 @@ class Metrics:
             lines += ["# HELP openai_budget_remaining_usd a key's budget less spend and reservations in its window "
                       "(the shared ledger, read after each /v1 chat call)", "# TYPE openai_budget_remaining_usd gauge"]
             lines += [f'openai_budget_remaining_usd{{key_name="{k}"}} {v:.9f}' for k, v in sorted(self.budgets.items())]
+            # the same two gauges as the router's (router_key_*): the soft-budget alert reads both families
+            lines += ["# HELP openai_key_window_spend_usd a key's spend and outstanding reservations in its budget window "
+                      "(the shared ledger, read after each /v1 chat call)", "# TYPE openai_key_window_spend_usd gauge"]
+            lines += [f'openai_key_window_spend_usd{{key_name="{k}"}} {v:.9f}' for k, v in sorted(self.window_spend.items())]
+            lines += ["# HELP openai_key_soft_budget_usd a key's soft budget (an alert, not a refusal)",
+                      "# TYPE openai_key_soft_budget_usd gauge"]
+            lines += [f'openai_key_soft_budget_usd{{key_name="{k}"}} {v:.9f}' for k, v in sorted(self.soft_budgets.items())]
             lines += ["# HELP openai_fallbacks_total /v1 chat completions answered by another model than asked",
                       "# TYPE openai_fallbacks_total counter"]
             lines += [f'openai_fallbacks_total{{from="{f}",to="{t}",reason="{r}"}} {n}'
