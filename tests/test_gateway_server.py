@@ -24,7 +24,7 @@ from .conftest import LOG_DIR, ensure_repository
 from .fake_gateway import Reply, context_length_error
 from .gateway_helpers import environment, grpc_route, http_route, router_repository
 
-SECRETS = {name: f"sk-{name}-{os.urandom(12).hex()}" for name in ("budget", "rpm", "narrow", "open", "replicas")}
+SECRETS = {name: f"sk-{name}-{os.urandom(12).hex()}" for name in ("budget", "rpm", "tpm", "narrow", "open", "replicas")}
 GATEWAY_KEY = "gw-" + os.urandom(12).hex()
 GATEWAY = {"timeout_s": 3.0, "max_retries": 0, "backoff_s": 0.05, "circuit_failure_threshold": 50,
            "deadline_s": 8.0, "reservation_margin_s": 2.0}
@@ -36,6 +36,7 @@ def keys_document() -> dict:
         {"key": SECRETS["budget"], "name": "team-budget", "max_budget_usd": 0.005, "budget_period": "1d",
          "soft_budget_usd": 0.004},
         {"key": SECRETS["rpm"], "name": "team-rpm", "rpm": 2},
+        {"key": SECRETS["tpm"], "name": "team-tpm", "tpm": 30},
         {"key": SECRETS["narrow"], "name": "team-narrow", "models": ["deepseek-v3.2", "gemini-2.5-flash"]},
         {"key": SECRETS["open"], "name": "team-open"},
         {"key": SECRETS["replicas"], "name": "team-replicas", "max_budget_usd": 0.003},
@@ -168,6 +169,22 @@ def test_rpm_refuses_with_retry_after_and_serves_again_when_the_window_reopens(s
     assert 1 <= wait <= 60
     time.sleep(wait + 0.5)
     assert http_route(server.http_url, "general_llm", HELLO, secret=SECRETS["rpm"])[0] == 200
+
+
+def test_tpm_refuses_with_retry_after_on_both_protocols_and_serves_again(server, gateway):
+    """The fake gateway reports 18 tokens a call: two calls reach 36 of the key's 30 a minute."""
+    for _ in range(2):
+        assert http_route(server.http_url, "general_llm", HELLO, secret=SECRETS["tpm"])[0] == 200
+    status, headers, body = http_route(server.http_url, "general_llm", HELLO, secret=SECRETS["tpm"])
+    assert status == 429 and "team-tpm" in body["error"] and "tpm" in body["error"]
+    wait = int(headers["retry-after"])
+    assert 1 <= wait <= 60
+    _, error = grpc_route(server.grpc_url, "general_llm", HELLO, secret=SECRETS["tpm"])
+    assert error.status() == "StatusCode.RESOURCE_EXHAUSTED" and "team-tpm" in error.message()
+    calls = len(gateway.requests)
+    time.sleep(wait + 0.5)
+    assert http_route(server.http_url, "general_llm", HELLO, secret=SECRETS["tpm"])[0] == 200
+    assert len(gateway.requests) == calls + 1  # the refusals never reached the gateway
 
 
 def test_kill_9_of_the_router_during_a_call_loses_no_charge_and_doubles_none(server, gateway, setup):
