@@ -30,7 +30,7 @@ from triton_pipelines.speech import (SAMPLE_RATE, WhisperTokenizer, audio_to_fea
 from triton_pipelines.speech_eval import (CORPUS, FasterWhisperGreedy, corpus_wer, join_clips, normalize_words,
                                           speak, word_errors)
 
-from .conftest import PROJECT_ROOT
+from .conftest import PROJECT_ROOT, statistics_after
 
 MODEL = "speech_recognition"
 # Thresholds with a margin over what base measures on espeak-ng speech (module docstring).
@@ -136,14 +136,15 @@ def test_decoding_stops_at_end_of_text(client, triton_server, clips):
     <|endoftext|>, far below max_new_tokens (random weights would run all 224)."""
     stats = TritonClient("http", triton_server.http_url)
     try:
-        before = stats.statistics("whisper_decoder")["model_stats"][0]["inference_count"]
+        before = stats.statistics("whisper_decoder")["model_stats"][0]
         out = client.infer(MODEL, {"audio": text_tensor([clips[0]])})
-        after = stats.statistics("whisper_decoder")["model_stats"][0]["inference_count"]
+        tokens = [t for t in out["token_ids"][0] if t >= 0]
+        # the decoder's last step is recorded after execute returns: wait for it, then count exactly
+        after = statistics_after(stats, "whisper_decoder", before, len(tokens) + 1, timeout_s=10)
     finally:
         stats.close()
-    tokens = [t for t in out["token_ids"][0] if t >= 0]
     assert 5 <= len(tokens) < 40
-    assert after - before == len(tokens) + 1
+    assert int(after["inference_count"]) - int(before["inference_count"]) == len(tokens) + 1
     assert word_errors(CORPUS[0].text, out["transcript"][0, 0].decode()).wer <= MAX_CLIP_WER_ENGLISH
 
 
