@@ -39,3 +39,14 @@ def test_totals_match_labels_or_any_of_several():
 def test_the_tests_helper_reads_the_same_numbers():
     assert metric(TEXT, "nv_inference_request_failure", model="b") == 3
     assert metric(TEXT, "launcher_tritonserver_restarts_total") == 1
+
+
+def test_a_written_family_reads_back_with_its_labels_escaped():
+    from triton_pipelines.prometheus_text import family, parse_samples
+
+    text = "\n".join(family("x_total", "counter", "help", ("key_name", "model"),
+                            {("team-a", 'say "hi"'): 2, ("team-b", "m"): 1.5}, "{:.3f}")) + "\n"
+    assert text.startswith("# HELP x_total help\n# TYPE x_total counter\n")
+    assert 'x_total{key_name="team-a",model="say \\"hi\\""} 2.000' in text
+    samples = parse_samples(text)
+    assert total(samples, "x_total") == 3.5 and total(samples, "x_total", key_name="team-b") == 1.5

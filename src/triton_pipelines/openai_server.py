@@ -47,6 +47,7 @@ from .api_keys import KeyRing, bearer_secret, keys_from_environment
 from .errors import InputError
 from .gateway_service import GatewayRefusal
 from .layout import BuiltManifest
+from .prometheus_text import family
 from .routing import RouteError
 from .screen import restarting_model_message
 
@@ -123,11 +124,9 @@ class Metrics:
             (self.disconnects if disconnected else self.streams)[(endpoint, self.model_label(model))] += 1
 
     def render(self) -> str:
-        lines = ["# HELP openai_requests_total /v1 requests of the OpenAI-compatible frontend by endpoint, model "
-                 "and HTTP status", "# TYPE openai_requests_total counter"]
         with self.lock:
-            lines += [f'openai_requests_total{{endpoint="{e}",model="{m}",code="{c}"}} {n}'
-                      for (e, m, c), n in sorted(self.requests.items())]
+            lines = family("openai_requests_total", "counter", "/v1 requests of the OpenAI-compatible frontend by "
+                           "endpoint, model and HTTP status", ("endpoint", "model", "code"), self.requests)
             lines += ["# HELP openai_request_duration_seconds time to the last byte of a /v1 response",
                       "# TYPE openai_request_duration_seconds histogram"]
             for (e, m), counts in sorted(self.buckets.items()):
@@ -136,39 +135,27 @@ class Metrics:
                 lines.append(f'openai_request_duration_seconds_bucket{{endpoint="{e}",model="{m}",le="+Inf"}} {counts[-1]}')
                 lines.append(f'openai_request_duration_seconds_sum{{endpoint="{e}",model="{m}"}} {self.sums[(e, m)]:.6f}')
                 lines.append(f'openai_request_duration_seconds_count{{endpoint="{e}",model="{m}"}} {counts[-1]}')
-            lines += ["# HELP openai_streamed_responses_total /v1 responses sent as server-sent events",
-                      "# TYPE openai_streamed_responses_total counter"]
-            lines += [f'openai_streamed_responses_total{{endpoint="{e}",model="{m}"}} {n}'
-                      for (e, m), n in sorted(self.streams.items())]
-            lines += ["# HELP openai_stream_disconnects_total streams whose client left before the end (the "
-                      "Triton stream was cancelled)", "# TYPE openai_stream_disconnects_total counter"]
-            lines += [f'openai_stream_disconnects_total{{endpoint="{e}",model="{m}"}} {n}'
-                      for (e, m), n in sorted(self.disconnects.items())]
-            lines += ["# HELP openai_spend_usd_total settled spend of /v1/chat/completions by key name and model "
-                      "(the router's: router_spend_usd_total)", "# TYPE openai_spend_usd_total counter"]
-            lines += [f'openai_spend_usd_total{{key_name="{k}",model="{m}"}} {v:.9f}'
-                      for (k, m), v in sorted(self.spent.items())]
-            lines += ["# HELP openai_budget_remaining_usd a key's budget less spend and reservations in its window "
-                      "(the shared ledger, read after each /v1 chat call)", "# TYPE openai_budget_remaining_usd gauge"]
-            lines += [f'openai_budget_remaining_usd{{key_name="{k}"}} {v:.9f}' for k, v in sorted(self.budgets.items())]
+            endpoint_model, key, usd = ("endpoint", "model"), ("key_name",), "{:.9f}"
+            lines += family("openai_streamed_responses_total", "counter",
+                            "/v1 responses sent as server-sent events", endpoint_model, self.streams)
+            lines += family("openai_stream_disconnects_total", "counter", "streams whose client left before the "
+                            "end (the Triton stream was cancelled)", endpoint_model, self.disconnects)
+            lines += family("openai_spend_usd_total", "counter", "settled spend of /v1/chat/completions by key name "
+                            "and model (the router's: router_spend_usd_total)", ("key_name", "model"), self.spent, usd)
+            lines += family("openai_budget_remaining_usd", "gauge", "a key's budget less spend and reservations in "
+                            "its window (the shared ledger, read after each /v1 chat call)", key, self.budgets, usd)
             # the same two gauges as the router's (router_key_*): the soft-budget alert reads both families
-            lines += ["# HELP openai_key_window_spend_usd a key's spend and outstanding reservations in its budget window "
-                      "(the shared ledger, read after each /v1 chat call)", "# TYPE openai_key_window_spend_usd gauge"]
-            lines += [f'openai_key_window_spend_usd{{key_name="{k}"}} {v:.9f}' for k, v in sorted(self.window_spend.items())]
-            lines += ["# HELP openai_key_soft_budget_usd a key's soft budget (an alert, not a refusal)",
-                      "# TYPE openai_key_soft_budget_usd gauge"]
-            lines += [f'openai_key_soft_budget_usd{{key_name="{k}"}} {v:.9f}' for k, v in sorted(self.soft_budgets.items())]
-            lines += ["# HELP openai_fallbacks_total /v1 chat completions answered by another model than asked",
-                      "# TYPE openai_fallbacks_total counter"]
-            lines += [f'openai_fallbacks_total{{from="{f}",to="{t}",reason="{r}"}} {n}'
-                      for (f, t, r), n in sorted(self.fallbacks.items())]
-            lines += ["# HELP openai_cooldowns_total times a gateway model's circuit opened in this frontend",
-                      "# TYPE openai_cooldowns_total counter"]
-            lines += [f'openai_cooldowns_total{{model="{m}"}} {n}' for m, n in sorted(self.cooldowns.items())]
-            lines += ["# HELP openai_refusals_total /v1 chat completions refused by a key's limits or models",
-                      "# TYPE openai_refusals_total counter"]
-            lines += [f'openai_refusals_total{{key_name="{k}",reason="{r}"}} {n}'
-                      for (k, r), n in sorted(self.refusals.items())]
+            lines += family("openai_key_window_spend_usd", "gauge", "a key's spend and outstanding reservations in "
+                            "its budget window (the shared ledger, read after each /v1 chat call)", key,
+                            self.window_spend, usd)
+            lines += family("openai_key_soft_budget_usd", "gauge", "a key's soft budget (an alert, not a refusal)",
+                            key, self.soft_budgets, usd)
+            lines += family("openai_fallbacks_total", "counter", "/v1 chat completions answered by another model "
+                            "than asked", ("from", "to", "reason"), self.fallbacks)
+            lines += family("openai_cooldowns_total", "counter", "times a gateway model's circuit opened in this "
+                            "frontend", ("model",), self.cooldowns)
+            lines += family("openai_refusals_total", "counter", "/v1 chat completions refused by a key's limits or "
+                            "models", ("key_name", "reason"), self.refusals)
         return "\n".join(lines) + "\n"
 
 

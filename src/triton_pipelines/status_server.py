@@ -22,10 +22,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 
 from .control import CONTROL_HEADER
-
-
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+from .prometheus_text import escape_label
 
 
 class LauncherMetrics:
@@ -68,12 +65,12 @@ class LauncherMetrics:
             # Every model from the start (at 0): a counter first seen at 1 hides that first restart
             # from rate() and increase().
             models = set(self.stub_restarts) | {model for _, model, _ in self.model_ready}
-            lines += [f'launcher_stub_restarts_total{{model="{_escape(m)}"}} {self.stub_restarts.get(m, 0)}'
+            lines += [f'launcher_stub_restarts_total{{model="{escape_label(m)}"}} {self.stub_restarts.get(m, 0)}'
                       for m in sorted(models)]
             lines += ["# HELP launcher_model_ready 1 when the model version is READY and all its Python stubs "
                       "are alive, else 0",
                       "# TYPE launcher_model_ready gauge"]
-            lines += [f'launcher_model_ready{{replica="{r}",model="{_escape(m)}",version="{_escape(v)}"}} {state}'
+            lines += [f'launcher_model_ready{{replica="{r}",model="{escape_label(m)}",version="{escape_label(v)}"}} {state}'
                       for (r, m, v), state in sorted(self.model_ready.items())]
         return "\n".join(lines) + "\n"
 
