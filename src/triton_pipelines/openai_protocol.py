@@ -107,7 +107,12 @@ def internal(message: str) -> OpenAIError:
 
 
 def parse_json_body(raw: bytes, limit: int = MAX_JSON_BODY_BYTES) -> dict:
-    """A JSON object body, or OpenAIError (413 over ``limit``, 400 otherwise)."""
+    """A JSON object body, or OpenAIError (413 over ``limit``, 400 otherwise).
+
+    Unlike the screen's ``parse_json_header`` it accepts a repeated key (the last wins, as Python's
+    and OpenAI's parsers do) and counts no objects: the screen refuses both because Triton parses the
+    body again with another parser, and a duplicate-key hook costs Python time per object; here this
+    parse is the only one, in C, and chat content may hold any number of braces."""
     if len(raw) > limit:
         raise too_large(f"the request body is {len(raw)} bytes; the limit for JSON bodies is {limit} bytes")
     if not raw.strip():
