@@ -224,6 +224,15 @@ def test_the_streaming_pipeline_on_the_public_grpc_port(server):
         client.async_stream_infer("whisper_decoder", [ids])
         result, error = results.get(timeout=30)
         assert result is None and error is not None
+        assert "unknown model 'whisper_decoder'" in str(error)
+        # the refusal answered that request only: the same stream still transcribes
+        client.async_stream_infer("speech_recognition_stream", [audio])
+        while True:
+            result, error = results.get(timeout=120)
+            assert error is None, error
+            if result.as_numpy("is_final")[0, 0]:
+                break
+        assert result.as_numpy("transcript")[0, 0].decode() == HELLO_TEXT
     finally:
         client.stop_stream()
         client.close()

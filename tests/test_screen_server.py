@@ -104,3 +104,13 @@ def test_bad_bodies_are_answered_by_the_screen(body, status):
     (reply,), triton = run([], [request(body)])
     assert reply.startswith(b"HTTP/1.1 " + status) and b'{"error": ' in reply
     assert not triton.received
+
+
+def test_a_refusal_on_a_stream_is_a_stream_response_with_its_error():
+    from tritonclient.grpc import service_pb2
+
+    from triton_pipelines.screen_server import stream_error_response
+
+    for message in ("unknown model 'x'", "é" * 300):
+        response = service_pb2.ModelStreamInferResponse.FromString(stream_error_response(message))
+        assert response.error_message == message and not response.HasField("infer_response")

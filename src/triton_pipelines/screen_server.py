@@ -315,12 +315,16 @@ class GrpcScreen:
 
     async def stream(self, requests, context):
         """ModelStreamInfer: each request message checked, then written to Triton's stream; Triton's
-        responses come back as they are. A refused message ends the stream with its error (and
-        cancels what was forwarded); the caller's cancellation cancels the forwarded stream."""
+        responses come back as they are. A refused message is answered on the stream with its error
+        (as Triton answers a failed request there) and the stream goes on; the caller's cancellation
+        cancels the forwarded stream."""
         grpc = self.grpc
         metadata = tuple((k, v) for k, v in context.invocation_metadata() if k not in self._DROP)
         call = self.stream_call(timeout=context.time_remaining(), metadata=metadata)
-        refused: list[ScreenError] = []
+        # Triton's responses and our refusals, in order; bounded, so a client that sends refused
+        # messages without reading the answers is held back (it is no longer read) instead of queued.
+        answers: asyncio.Queue = asyncio.Queue(maxsize=64)
+        upstream_done = object()
 
         async def forward():
             try:
@@ -328,29 +332,48 @@ class GrpcScreen:
                     try:
                         check_grpc_request(self.policy, request)
                     except ScreenError as error:
-                        refused.append(error)
-                        call.cancel()
-                        return
+                        await answers.put(stream_error_response(str(error)))
+                        continue
                     await call.write(request)
                 await call.done_writing()
             except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
                 pass  # the upstream call ended; its status is read below
 
-        pump = asyncio.ensure_future(forward())
-        try:
-            async for response in call:
-                yield response
-        except asyncio.CancelledError:
-            if not refused:
+        async def backward():
+            try:
+                async for response in call:
+                    await answers.put(response)
+                await answers.put(upstream_done)
+            except asyncio.CancelledError:
                 raise
-        except grpc.aio.AioRpcError as error:
-            if not refused:
-                await context.abort(error.code(), error.details() or "")
+            except Exception as error:  # noqa: BLE001 - handed to the caller's side below
+                await answers.put(error)
+
+        pump, drain = asyncio.ensure_future(forward()), asyncio.ensure_future(backward())
+        try:
+            while (answer := await answers.get()) is not upstream_done:
+                if isinstance(answer, grpc.aio.AioRpcError):
+                    await context.abort(answer.code(), answer.details() or "")
+                if isinstance(answer, Exception):
+                    raise answer
+                yield answer
         finally:
             pump.cancel()
+            drain.cancel()
             call.cancel()
-        if refused:
-            await context.abort(getattr(grpc.StatusCode, refused[0].grpc_code), str(refused[0]))
+
+
+def stream_error_response(message: str) -> bytes:
+    """A serialized ModelStreamInferResponse carrying only ``error_message`` (field 1): what a
+    stream client's callback receives as the error of one request."""
+    data = message.encode("utf-8")
+    size, length = bytearray(), len(data)
+    while True:
+        size.append((length & 0x7F) | (0x80 if length > 0x7F else 0))
+        length >>= 7
+        if not length:
+            break
+    return b"\x0a" + bytes(size) + data
 
 
 def load_public_models(path: Path | None) -> frozenset[str] | None:
