@@ -40,7 +40,7 @@ THREADS = 2  # ONNX Runtime intra-op threads of the in-process limits (the embed
 MAX_NEW_TOKENS = 224
 OCTET = {"Content-Type": "application/octet-stream"}
 PIPELINE_MODELS = {
-    "text_embedding": ("text_tokenizer", "text_encoder", "embedding_pooler"),
+    "text_embedding": ("text_tokenizer", "text_encoder"),
     "image_classification": ("image_preprocess", "resnet50", "classification_postprocess"),
     "speech_recognition": ("audio_features", "whisper_encoder", "whisper_decoder", "whisper_decode"),
 }

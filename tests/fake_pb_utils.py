@@ -70,10 +70,14 @@ class PreferredMemory:
 class Request:
     """What ``execute`` receives."""
 
-    def __init__(self, inputs, parameters=None, request_id=""):
+    def __init__(self, inputs, parameters=None, request_id="", requested_output_names=()):
         self.inputs = {name: array if isinstance(array, Tensor) else Tensor(name, array)
                        for name, array in inputs.items()}
         self._parameters, self._id = json.dumps(parameters or {}), request_id
+        self._outputs = list(requested_output_names)
+
+    def requested_output_names(self):
+        return list(self._outputs)
 
     def parameters(self):
         return self._parameters
@@ -95,7 +99,8 @@ class InferenceRequest:
 
     def __init__(self, model_name, inputs, requested_output_names, parameters=None, preferred_memory=None):
         self.model_name, self.outputs = model_name, list(requested_output_names)
-        self.request = Request({t.name(): t for t in inputs}, parameters)
+        self.request = Request({t.name(): t for t in inputs}, parameters,
+                               requested_output_names=requested_output_names)
 
     def exec(self):
         model = MODELS[self.model_name]

@@ -144,14 +144,18 @@ def test_model_args():
 
 
 class FakeRunner:
-    def __init__(self, fail=False):
-        self.calls, self.fail = [], fail
+    output_names = ["y", "z"]
 
-    def run(self, requests):
+    def __init__(self, fail=False):
+        self.calls, self.fail, self.asked = [], fail, []
+
+    def run(self, requests, output_names=None):
         self.calls.append(len(requests))
+        self.asked.append(list(output_names or self.output_names))
         if self.fail:
             raise RuntimeError("out of memory")
-        return [{"y": request["x"] + 1} for request in requests]
+        outputs = {"y": lambda r: r["x"] + 1, "z": lambda r: r["x"] * 0}
+        return [{name: outputs[name](request) for name in self.asked[-1]} for request in requests]
 
 
 def test_compute_model_batches_plain_requests_and_runs_cached_ones_alone():
@@ -163,6 +167,18 @@ def test_compute_model_batches_plain_requests_and_runs_cached_ones_alone():
     assert (plain[1], keyed[1], named[1]) == (None, "c", "c") and "k" in named[0]
     results = model.run([plain, keyed, plain, named])
     assert runner.calls == [2, 1, 1] and all(r["y"].tolist() == [2.0] for r in results)
+
+
+def test_compute_model_computes_and_answers_only_the_requested_outputs():
+    """Triton's requested_output_names: a run computes the union of its requests' outputs and each
+    request gets only its own (an ensemble step asking for ``embedding`` is not sent the token states)."""
+    runner = FakeRunner()
+    model = EmbeddedComputeModel("m", runner, ["x"])
+    work = model.feeds({"x": np.ones(1)}, {})
+    results = model.run([work, work, work], [["y"], ["y"], []])
+    assert runner.asked == [["y", "z"]] and [sorted(r) for r in results] == [["y"], ["y"], ["y", "z"]]
+    runner.asked.clear()
+    assert [list(r) for r in model.run([work, work], [["z"], ["z"]])] == [["z"], ["z"]] and runner.asked == [["z"]]
 
 
 def test_compute_model_refuses_missing_inputs_and_fails_only_the_failed_run():
@@ -182,7 +198,7 @@ def test_text_tokenizer_adapter_tokenizes_and_refuses_bad_utf8(pb):
     model = initialized(ROOT / "python_models" / "text_tokenizer" / "model.py", "text_tokenizer")
     texts = np.array([[b"Where is my parcel?"]], dtype=object)
     good, bad = model.execute([pb.Request({"text": texts}), pb.Request({"text": np.array([[b"caf\xe9"]], dtype=object)})])
-    expected = TextTokenizer(REPOSITORY / "text_tokenizer" / "1" / "tokenizer.json").encode(["Where is my parcel?"])
+    expected = TextTokenizer.served(REPOSITORY / "text_tokenizer").encode(["Where is my parcel?"])
     np.testing.assert_array_equal(outputs(good)["input_ids"], expected.input_ids)
     assert bad.error().message() == INPUT_ERROR_PREFIX + "input 'text'[0] is not valid UTF-8 (byte 0xe9 at offset 3)"
 

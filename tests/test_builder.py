@@ -40,12 +40,12 @@ def test_local_checkpoint_sets_the_encoder_and_the_embedding_width(built, tiny_c
     from transformers import BertModel
 
     assert list(read_config(built / "text_encoder" / "config.pbtxt").output[0].dims) == [-1, 64]
-    assert list(read_config(built / "embedding_pooler" / "config.pbtxt").output[0].dims) == [64]
+    assert list(read_config(built / "text_encoder" / "config.pbtxt").output[1].dims) == [64]
     assert list(read_config(built / "text_embedding" / "config.pbtxt").output[0].dims) == [64]
     assert list(read_config(built / "intent_classifier" / "config.pbtxt").input[0].dims) == [64]
     ids = np.array([[101, 7592, 2088, 102]], dtype=np.int64)
     session = ort.InferenceSession(str(built / "text_encoder" / "1" / "model.onnx"))
-    (hidden,) = session.run(None, {"input_ids": ids, "attention_mask": np.ones_like(ids)})
+    (hidden,) = session.run(["last_hidden_state"], {"input_ids": ids, "attention_mask": np.ones_like(ids)})
     with torch.no_grad():
         expected = BertModel.from_pretrained(str(tiny_checkpoint), add_pooling_layer=False)(
             input_ids=torch.from_numpy(ids)).last_hidden_state.numpy()

@@ -72,7 +72,7 @@ def test_source_configs_hold_no_value_the_builder_writes(target):
             line = next(line for line in path.read_text().splitlines() if f'name: "{name}"' in line)
             assert "# builder" in line, f"{path}: mark the line of {name} with '# builder'"
     assert {("whisper_decode", "vocab_size"), ("whisper_decode", "input_features"),
-            ("embedding_pooler", "embedding"), ("audio_features", "n_mels")} <= found
+            ("text_embedding", "embedding"), ("audio_features", "n_mels")} <= found
     # the input limits and request defaults, from the runtime modules' CONFIG_PARAMETERS
     assert {("image_preprocess", "max_image_pixels"), ("classification_postprocess", "max_top_k"),
             ("text_tokenizer", "max_text_bytes"), ("audio_features", "max_audio_seconds"),
@@ -95,6 +95,31 @@ def test_generated_compute_configs_parse_for_every_target(target):
             assert all(g.kind == mc.ModelInstanceGroup.KIND_GPU for g in reparsed.instance_group)
         else:
             assert reparsed.backend == "python"
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_tokenizer_padding_matches_how_the_text_encoders_batch(target):
+    """Embedded: every text encoder (and its variants) takes ragged batches grouped by row length,
+    so the tokenizer pads a request to its own longest text only. gpu: the native onnxruntime
+    backend batches equal shapes only, so the tokenizer pads to length buckets and no input is
+    ragged (it would be concatenated flat, which the padded graph cannot take)."""
+    from repo_builder.variants import variant_model
+    from triton_pipelines.text import LENGTH_BUCKETS, parse_buckets
+
+    context, pipelines = parse_context(["--target", target])
+    text_pipeline = next(p for p in pipelines if "text_tokenizer" in p.python_models)
+    tokenizer = parse((ROOT / "python_models" / "text_tokenizer" / "config.pbtxt").read_text())
+    text_pipeline.configure(tokenizer, context)
+    buckets = parse_buckets(tokenizer.parameters["length_buckets"].string_value)
+    encoders = [model for model in text_pipeline.compute_models(context)]
+    configs = [model.config(target) for model in encoders] + [
+        variant_model(model, variant.suffix).config(target) for model in encoders for variant in model.latency_variants]
+    ragged = {config.name: {tensor.allow_ragged_batch for tensor in config.input} for config in configs}
+    if target == "embedded":
+        assert buckets == () and all(flags == {True} for flags in ragged.values()), ragged
+        assert all(config.parameters["length_input"].string_value == "attention_mask" for config in configs)
+    else:
+        assert buckets == LENGTH_BUCKETS and all(flags == {False} for flags in ragged.values()), ragged
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -128,7 +153,7 @@ def built_configs() -> dict[str, mc.ModelConfig]:
 
 def test_built_repository_configs_parse():
     configs = built_configs()
-    assert {"text_tokenizer", "text_encoder", "embedding_pooler", "text_embedding",
+    assert {"text_tokenizer", "text_encoder", "text_embedding",
             "intent_classifier", "text_classification"} <= set(configs)
 
 

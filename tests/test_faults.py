@@ -29,7 +29,7 @@ from .fake_gateway import Reply
 from .router_helpers import metric, route, scrape
 
 MODELS = ["router", "text_classification", "text_classification_v2", "text_embedding", "text_embedding_v2",
-          "text_tokenizer", "text_encoder", "embedding_pooler", "intent_classifier", "image_classification",
+          "text_tokenizer", "text_encoder", "intent_classifier", "image_classification",
           "image_preprocess", "resnet50", "classification_postprocess"]
 JPEG = (Path(__file__).resolve().parent / "data" / "scene.jpg").read_bytes()
 

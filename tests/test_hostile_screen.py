@@ -176,7 +176,7 @@ def test_long_urls_headers_and_model_names_get_their_own_errors(unharmed):
 
 
 # ------------------------------------------------------------------------------------ the public surface
-@pytest.mark.parametrize("model", ["text_tokenizer", "text_encoder", "whisper_decoder", "embedding_pooler",
+@pytest.mark.parametrize("model", ["text_tokenizer", "text_encoder", "whisper_decoder", "intent_classifier",
                                    "audio_features"])
 def test_internal_models_are_not_served_on_the_public_ports(unharmed, model):
     """Only the pipelines and the router; their steps answer 404 / NOT_FOUND (their metadata stays

@@ -19,7 +19,7 @@ from triton_pipelines.launcher import InternalPorts, ServerOptions, server_comma
 
 from .conftest import LOG_DIR, ensure_repository
 
-TEXT_EMBEDDING_MODELS = ["text_tokenizer", "text_encoder", "embedding_pooler", "text_embedding"]
+TEXT_EMBEDDING_MODELS = ["text_tokenizer", "text_encoder", "text_embedding"]
 
 
 def test_ports_come_from_flags_then_environment_then_defaults(monkeypatch):

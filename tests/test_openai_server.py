@@ -31,7 +31,7 @@ from .fake_gateway import Reply
 
 openai = pytest.importorskip("openai")
 
-MODELS = ["text_tokenizer", "text_encoder", "embedding_pooler", "text_embedding", "whisper_encoder",
+MODELS = ["text_tokenizer", "text_encoder", "text_embedding", "whisper_encoder",
           "whisper_decoder", "speech_recognition_stream"]
 KEY = "sk-test-team-a-0123456789"
 OTHER_KEY = "sk-test-team-b-0123456789"

@@ -95,7 +95,7 @@ def repositories(tmp_path_factory) -> dict[str, Path]:
     """The built repository and two slices of it (text only, vision only)."""
     built = ensure_repository()
     root = tmp_path_factory.mktemp("plan")
-    text = ["text_encoder", "text_encoder_batch", "text_tokenizer", "embedding_pooler", "text_embedding",
+    text = ["text_encoder", "text_encoder_batch", "text_tokenizer", "text_embedding",
             "text_embedding_batch", "text_embedding_v2", "text_embedding_batch_v2"]
     vision = ["resnet50", "resnet50_batch", "image_preprocess", "classification_postprocess", "image_classification"]
     return {"full": built, "text": copy_repository(built, root / "text", text),

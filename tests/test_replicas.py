@@ -19,7 +19,7 @@ from triton_pipelines.launcher import start_on_free_ports
 from .conftest import LOG_DIR, ensure_repository
 from .router_helpers import metric, scrape
 
-MODELS = ["text_embedding", "text_tokenizer", "text_encoder", "embedding_pooler"]
+MODELS = ["text_embedding", "text_tokenizer", "text_encoder"]
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ from triton_pipelines.rollout import Breach, Family, Gate, Metrics, Rollout, Ste
 from .conftest import LOG_DIR, ensure_repository
 from .lifecycle_helpers import TEXTS, Traffic, copy_repository
 
-MODELS = ["router", "text_tokenizer", "text_encoder", "text_encoder_batch", "embedding_pooler", "intent_classifier",
+MODELS = ["router", "text_tokenizer", "text_encoder", "text_encoder_batch", "intent_classifier",
           "text_embedding", "text_embedding_v2", "text_embedding_batch", "text_embedding_batch_v2",
           "text_classification", "text_classification_v2"]
 # Direct callers of the plain ensembles (nested text_classification too) and router callers, on

@@ -73,7 +73,7 @@ def test_text_task_matches_its_ensemble(client, split_file, task, latency_class,
 def test_canary_version_2_is_the_int8_model(http_client, repository, split_file):
     """Version 2 answers match an in-process run of text_encoder/2/model.onnx (int8), and differ
     from version 1's."""
-    tokenizer = TextTokenizer(repository / "text_tokenizer" / "1" / "tokenizer.json")
+    tokenizer = TextTokenizer.served(repository / "text_tokenizer")
     runner = OnnxBatchRunner(repository / "text_encoder" / "2" / "model.onnx", intra_op_threads=1)
     split_file({2: 100})
     for text in TEXTS:

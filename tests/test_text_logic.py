@@ -129,24 +129,91 @@ def test_tokenizer_without_buckets_pads_to_longest_text_only():
     assert tokenizer.encode(["hello", "hello world"]).input_ids.shape == (2, 4)
 
 
-def test_ragged_batch_is_padded_and_outputs_trimmed_back(tmp_path):
-    """With pad_ragged=True, requests of different lengths run as one padded batch and each
-    request gets its own length back; padded positions are masked, so values match solo runs."""
+def served_encoder_onnx():
     from pathlib import Path
-
-    from triton_pipelines.onnx_runner import OnnxBatchRunner
 
     onnx_path = Path(__file__).resolve().parents[1] / "model_repository" / "text_encoder" / "1" / "model.onnx"
     if not onnx_path.exists():
         pytest.skip("model_repository/ not built (make test builds it first)")
+    return onnx_path
+
+
+def length_runs_hold(lengths, grouping):
+    runs = grouping.runs(np.asarray(lengths))
+    assert sorted(int(row) for run in runs for row in run) == list(range(len(lengths)))  # every row once
+    for run in runs:
+        members = [lengths[row] for row in run]
+        assert members == sorted(members)
+        assert len(run) * max(members) <= max(grouping.max_batch_tokens, max(members))  # a lone row may exceed
+        assert max(members) <= grouping.max_ratio * min(members) or max(members) <= grouping.short_tokens
+    return runs
+
+
+def test_length_grouping_bounds_padding_and_tokens_per_run():
+    from hypothesis import given, settings, strategies as st
+
+    from triton_pipelines.onnx_runner import LengthGrouping
+
+    grouping = LengthGrouping(length_input="attention_mask", max_batch_tokens=512)
+
+    @settings(max_examples=200, deadline=None)
+    @given(st.lists(st.integers(1, 256), min_size=1, max_size=200))
+    def check(lengths):
+        length_runs_hold(lengths, grouping)
+
+    check()
+    # equal lengths fill runs up to the token budget; short rows share one run
+    assert [len(run) for run in grouping.runs(np.full(40, 32))] == [16, 16, 8]
+    assert len(grouping.runs(np.array([3, 16, 5, 9]))) == 1
+    assert [len(run) for run in grouping.runs(np.array([100, 130, 131, 170]))] == [2, 2]
+
+
+def test_length_grouping_reads_row_lengths_from_the_mask():
+    from triton_pipelines.onnx_runner import LengthGrouping
+
+    mask = np.array([[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0]])
+    assert LengthGrouping("attention_mask").row_lengths({"attention_mask": mask}, 5).tolist() == [3, 1, 5, 1]
+    assert LengthGrouping(None).row_lengths({"x": mask}, 5).tolist() == [5, 5, 5, 5]
+
+
+def test_length_grouped_runs_equal_solo_runs_and_keep_each_request_shape():
+    """Ragged batching: requests of different lengths (and several texts each) run as length-sorted
+    runs; every request gets its own rows back, sequence outputs at its own width, and the values
+    of a row alone (padding is masked)."""
+    from triton_pipelines.onnx_runner import LengthGrouping, OnnxBatchRunner
+
+    onnx_path = served_encoder_onnx()
     tokenizer = TextTokenizer(minilm_dir() / "tokenizer.json", buckets=())
-    short, long = tokenizer.encode(["hi"]), tokenizer.encode(["a much longer request about my order"])
-    feeds = [{"input_ids": t.input_ids, "attention_mask": t.attention_mask} for t in (short, long)]
-    ragged = OnnxBatchRunner(onnx_path, intra_op_threads=1, pad_ragged=True).run(feeds)
-    solo = [OnnxBatchRunner(onnx_path, intra_op_threads=1).run([f])[0] for f in feeds]
-    for got, expected, tokens in zip(ragged, solo, (short, long)):
-        assert got["last_hidden_state"].shape == expected["last_hidden_state"].shape
-        np.testing.assert_allclose(got["last_hidden_state"], expected["last_hidden_state"], atol=1e-4)
+    texts = [["hi"], ["a much longer request about my order and the refund i was promised", "ok"],
+             ["word " * 60], ["where is my package", "cancel", "refund please " * 12]]
+    feeds = [{"input_ids": t.input_ids, "attention_mask": t.attention_mask} for t in map(tokenizer.encode, texts)]
+    grouped = OnnxBatchRunner(onnx_path, intra_op_threads=1,
+                              length_grouping=LengthGrouping("attention_mask", max_batch_tokens=64)).run(feeds)
+    solo = OnnxBatchRunner(onnx_path, intra_op_threads=1)
+    for request, got in zip(feeds, grouped):
+        assert got["last_hidden_state"].shape == request["input_ids"].shape + (384,)
+        assert got["embedding"].shape == (len(request["input_ids"]), 384)
+        for row in range(len(request["input_ids"])):
+            length = int(request["attention_mask"][row].sum())
+            (alone,) = solo.run([{name: array[row:row + 1, :length] for name, array in request.items()}])
+            np.testing.assert_allclose(got["embedding"][row], alone["embedding"][0], atol=1e-5)
+            np.testing.assert_allclose(got["last_hidden_state"][row, :length], alone["last_hidden_state"][0],
+                                       atol=1e-4)
+            assert not got["last_hidden_state"][row, length:].any()
+
+
+def test_graph_pooling_equals_the_reference_pooling():
+    """The encoder's ``embedding`` output (pooling in the ONNX graph) is ``mean_pool_normalize`` of
+    its own ``last_hidden_state``, on a padded mixed batch; asking for one output computes only it."""
+    from triton_pipelines.onnx_runner import OnnxBatchRunner
+
+    tokens = TextTokenizer(minilm_dir() / "tokenizer.json").encode(["short", "a medium length sentence", "x " * 90])
+    runner = OnnxBatchRunner(served_encoder_onnx(), intra_op_threads=1)
+    (both,) = runner.run([{"input_ids": tokens.input_ids, "attention_mask": tokens.attention_mask}])
+    np.testing.assert_allclose(both["embedding"], mean_pool_normalize(both["last_hidden_state"], tokens.attention_mask),
+                               atol=1e-6)
+    (only,) = runner.run([{"input_ids": tokens.input_ids, "attention_mask": tokens.attention_mask}], ["embedding"])
+    assert list(only) == ["embedding"]
 
 
 def test_exported_encoder_matches_transformers_on_a_padded_mixed_batch():
@@ -159,9 +226,7 @@ def test_exported_encoder_matches_transformers_on_a_padded_mixed_batch():
 
     from triton_pipelines.onnx_runner import OnnxBatchRunner
 
-    onnx_path = Path(__file__).resolve().parents[1] / "model_repository" / "text_encoder" / "1" / "model.onnx"
-    if not onnx_path.exists():
-        pytest.skip("model_repository/ not built (make test builds it first)")
+    onnx_path = served_encoder_onnx()
     tokens = TextTokenizer(minilm_dir() / "tokenizer.json").encode(
         ["short", "a medium length sentence about billing", "word " * 40])
     (ours,) = OnnxBatchRunner(onnx_path, intra_op_threads=1).run(

@@ -56,8 +56,9 @@ def test_embedding_matches_in_process_reference_for_mixed_lengths(client, refere
 
 
 def test_concurrent_requests_of_different_lengths_share_batches(http_client, triton_server, reference):
-    """Requests padded to the same bucket are batched by the dynamic batcher: the encoder runs
-    fewer executions than it serves inferences, and every answer still matches the reference."""
+    """Requests of different lengths are batched by the dynamic batcher (ragged batching on the
+    embedded target, one length bucket on the gpu target): the encoder runs fewer executions than
+    it serves inferences, and every answer still matches the reference, which runs each text alone."""
     texts = [f"question number {i} about my order" if i % 2 else f"hello {i}" for i in range(48)]
     before = http_client.statistics("text_encoder")["model_stats"][0]
     clients = [TritonClient("grpc", triton_server.grpc_url) for _ in range(16)]
@@ -158,6 +159,6 @@ def test_a_failing_request_does_not_fail_its_batch_neighbours(triton_server):
 
 def test_server_and_models_are_healthy_afterwards(client):
     assert client.is_server_ready()
-    for model in ("text_tokenizer", "text_encoder", "embedding_pooler", "intent_classifier",
+    for model in ("text_tokenizer", "text_encoder", "intent_classifier",
                   "text_embedding", "text_classification"):
         assert client.is_model_ready(model), model

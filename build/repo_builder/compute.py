@@ -20,6 +20,8 @@ from typing import Callable
 
 from tritonclient.grpc import model_config_pb2 as mc
 
+from triton_pipelines.onnx_runner import LengthGrouping
+
 TARGETS = ("embedded", "gpu")
 # How the gpu target serves a compute model (``ComputeModel.gpu_backend``).
 GPU_BACKENDS = ("onnxruntime_onnx", "onnxruntime_trt", "tensorrt_plan")
@@ -87,6 +89,12 @@ class ComputeModel:
     # (``onnx_runner.InputCache``). They stay in the config with their dims, marked optional, so a
     # caller may send them once and then name them by key instead of copying them on every call.
     embedded_cached_inputs: tuple[str, ...] = ()
+    # embedded target only: ragged batching (``allow_ragged_batch`` on every input). The batcher
+    # then merges requests of any sequence length and the runner groups their rows by their own
+    # length (``onnx_runner.LengthGrouping``: its ``length_input`` and ``max_batch_tokens`` become
+    # config parameters). The native onnxruntime backend would concatenate ragged inputs into one
+    # flat tensor, which a padded graph cannot take, so the gpu target keeps equal shapes.
+    embedded_length_grouping: LengthGrouping | None = None
     # The largest size of the variable (-1) dimensions this model is sent at the configured limits
     # (a text encoder: the tokenizer's truncation length). The memory planner sizes activations
     # with it; 0: not declared (the planner then needs --sequence-length MODEL=N).
@@ -136,6 +144,13 @@ class ComputeModel:
                 for tensor in config.input:
                     tensor.optional = tensor.name in self.embedded_cached_inputs
                 config.parameters["cached_inputs"].string_value = ",".join(self.embedded_cached_inputs)
+            grouping = self.embedded_length_grouping
+            if grouping is not None:
+                for tensor in config.input:
+                    tensor.allow_ragged_batch = True
+                if grouping.length_input:
+                    config.parameters["length_input"].string_value = grouping.length_input
+                config.parameters["max_batch_tokens"].string_value = str(grouping.max_batch_tokens)
         else:
             self._gpu_backend_config(config)
             config.instance_group.add(kind=mc.ModelInstanceGroup.KIND_GPU, count=self.gpu_instances)

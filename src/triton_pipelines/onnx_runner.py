@@ -3,12 +3,14 @@
 The embedded ``tritonserver`` build has no ONNX Runtime backend, so each compute model runs as a
 Python-backend model with the same name, tensors and batching as the native one. Triton hands the
 Python backend the dynamic batch as a list of requests; this class runs them as one ONNX Runtime
-call per group of equal trailing shapes (with length buckets that is one group), then splits the
-outputs back per request.
+call per group of equal trailing shapes, or, with ragged batching, per run of rows of similar
+length (``LengthGrouping``), then splits the outputs back per request. Only the outputs the
+requests asked for are computed and sent.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -77,24 +79,30 @@ def onnx_session(model_path: Path | str, intra_op_threads: int = 0, execution_pr
 
 class OnnxBatchRunner:
     def __init__(self, model_path: Path | str, intra_op_threads: int = 0,
-                 output_names: Sequence[str] | None = None, pad_ragged: bool = False,
+                 output_names: Sequence[str] | None = None, length_grouping: LengthGrouping | None = None,
                  execution_providers: Sequence[str] = ("cpu",), engine_cache_dir: Path | None = None,
                  spin_wait: bool = True):
-        """The session's options: ``onnx_session``."""
+        """The session's options: ``onnx_session``. ``length_grouping``: how requests of different
+        sequence lengths run together (ragged batching), see ``LengthGrouping``; None: only
+        requests of equal shapes share a run, as on the native backend."""
         self.session = onnx_session(model_path, intra_op_threads, execution_providers, engine_cache_dir, spin_wait)
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.output_names = list(output_names or [o.name for o in self.session.get_outputs()])
-        # Ragged batching (config: allow_ragged_batch on the inputs): requests of different
-        # sequence lengths are zero-padded on axis 1 into one batch, and outputs that carry that
-        # axis are cut back to each request's length. Only for models whose padding is masked.
-        self.pad_ragged = pad_ragged
+        self.length_grouping = length_grouping
+        # Outputs with the inputs' sequence axis (axis 1, by its symbolic name in the graph): cut
+        # back to each request's own width after a length-grouped run.
+        sequence_axis = self.session.get_inputs()[0].shape[1] if len(self.session.get_inputs()[0].shape) > 1 else None
+        self.sequence_outputs = {o.name for o in self.session.get_outputs()
+                                 if sequence_axis is not None and len(o.shape) > 1 and o.shape[1] == sequence_axis}
 
-    def run(self, requests: Sequence[Mapping[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
+    def run(self, requests: Sequence[Mapping[str, np.ndarray]], output_names: Sequence[str] | None = None
+            ) -> list[dict[str, np.ndarray]]:
         """``requests[i]`` maps input name → array with a leading batch axis; returns the same
-        structure for outputs, in request order."""
+        structure for outputs (``output_names``, default all), in request order."""
+        names = list(output_names or self.output_names)
+        if self.length_grouping is not None:
+            return self._run_length_grouped(requests, names)
         results: list[dict[str, np.ndarray] | None] = [None] * len(requests)
-        if self.pad_ragged and len(requests) > 1:
-            return self._run_padded(requests)
         groups: dict[tuple, list[int]] = {}
         for index, request in enumerate(requests):
             signature = tuple(request[name].shape[1:] for name in self.input_names)
@@ -105,30 +113,99 @@ class OnnxBatchRunner:
                 feeds = dict(requests[indices[0]])
             else:
                 feeds = {name: np.concatenate([requests[i][name] for i in indices]) for name in self.input_names}
-            outputs = self.session.run(self.output_names, {n: feeds[n] for n in self.input_names})
+            outputs = self.session.run(names, {n: feeds[n] for n in self.input_names})
             offsets = np.cumsum([0] + sizes)
             for position, index in enumerate(indices):
                 start, stop = offsets[position], offsets[position + 1]
-                results[index] = {name: out[start:stop] for name, out in zip(self.output_names, outputs)}
+                results[index] = {name: out[start:stop] for name, out in zip(names, outputs)}
         return results  # type: ignore[return-value]
 
-    def _run_padded(self, requests: Sequence[Mapping[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
-        lengths = [request[self.input_names[0]].shape[1] for request in requests]
-        longest = max(lengths)
-        feeds = {}
-        for name in self.input_names:
-            parts = [r[name] if r[name].shape[1] == longest else
-                     np.pad(r[name], [(0, 0), (0, longest - r[name].shape[1])] + [(0, 0)] * (r[name].ndim - 2))
-                     for r in requests]
-            feeds[name] = np.concatenate(parts)
-        outputs = self.session.run(self.output_names, feeds)
-        offsets = np.cumsum([0] + [r[self.input_names[0]].shape[0] for r in requests])
-        results = []
-        for position, length in enumerate(lengths):
-            start, stop = offsets[position], offsets[position + 1]
-            results.append({name: out[start:stop, :length] if out.ndim > 1 and out.shape[1] == longest
-                            else out[start:stop] for name, out in zip(self.output_names, outputs)})
+    def _run_length_grouped(self, requests: Sequence[Mapping[str, np.ndarray]], names: list[str]
+                            ) -> list[dict[str, np.ndarray]]:
+        """Every row of every request, sorted by its own length and cut into runs
+        (``LengthGrouping.runs``); each run is its rows cut or zero-padded to the run's longest.
+        Outputs go back to each request's rows; sequence outputs at the request's width, zero past
+        each row's own length."""
+        grouping = self.length_grouping
+        widths = [request[self.input_names[0]].shape[1] for request in requests]
+        counts = [request[self.input_names[0]].shape[0] for request in requests]
+        lengths = np.concatenate([grouping.row_lengths(request, width) for request, width in zip(requests, widths)])
+        owners = np.repeat(np.arange(len(requests)), counts)  # row → its request
+        rows = np.concatenate([np.arange(count) for count in counts])  # row → its index there
+        results = [{} for _ in requests]
+        for run in grouping.runs(lengths):
+            longest = int(lengths[run].max())
+            feeds = {}
+            for name in self.input_names:
+                parts = []
+                for row in run:
+                    array = requests[owners[row]][name][rows[row]]
+                    parts.append(array[:longest] if array.shape[0] >= longest else
+                                 np.pad(array, [(0, longest - array.shape[0])] + [(0, 0)] * (array.ndim - 1)))
+                feeds[name] = np.stack(parts)
+            outputs = self.session.run(names, feeds)
+            for name, out in zip(names, outputs):
+                for position, row in enumerate(run):
+                    owner = owners[row]
+                    target = results[owner].get(name)
+                    if target is None:
+                        shape = (counts[owner],) + ((widths[owner],) + out.shape[2:] if name in self.sequence_outputs
+                                                    else out.shape[1:])
+                        target = results[owner][name] = np.zeros(shape, out.dtype)
+                    if name in self.sequence_outputs:  # the row's own positions; its padding stays 0
+                        target[rows[row], :lengths[row]] = out[position, :lengths[row]]
+                    else:
+                        target[rows[row]] = out[position]
         return results
+
+
+@dataclass(frozen=True)
+class LengthGrouping:
+    """Ragged batching on the embedded target (config: ``allow_ragged_batch`` on the inputs): the
+    dynamic batcher hands over requests of any sequence length, and the runner groups their rows
+    by their own length, as text-embeddings-inference does with ``max_batch_tokens``.
+
+    A row's length is where its ``length_input`` (the attention mask) ends, or the request's width
+    without one. Rows sorted by length are cut into runs: a row joins the current run while it is
+    at most ``max_ratio`` times the run's shortest row (or both are at most ``short_tokens``: there
+    a run's cost is per call, not per token) and the run's padded tokens stay within
+    ``max_batch_tokens``. So no row runs at more than ``max_ratio`` times its own length (short
+    rows excepted), and a run's work is bounded whatever the batch."""
+    length_input: str | None = None
+    max_batch_tokens: int = 4096
+    max_ratio: float = 1.3
+    short_tokens: int = 16
+
+    def row_lengths(self, request: Mapping[str, np.ndarray], width: int) -> np.ndarray:
+        count = next(iter(request.values())).shape[0]
+        if self.length_input is None or self.length_input not in request:
+            return np.full(count, width, dtype=np.int64)
+        mask = request[self.length_input].reshape(count, -1) != 0
+        # one past the last non-zero position (a row of zeros still runs, at length 1)
+        last = np.where(mask.any(axis=1), mask.shape[1] - np.argmax(mask[:, ::-1], axis=1), 1)
+        return last.astype(np.int64)
+
+    def runs(self, lengths: np.ndarray) -> list[np.ndarray]:
+        """Row indices per run, each run's rows ascending by length."""
+        order = np.argsort(lengths, kind="stable")
+        runs, current, shortest = [], [], 0
+        for row in order:
+            length = int(lengths[row])
+            fits_ratio = length <= self.max_ratio * shortest or length <= self.short_tokens
+            if current and fits_ratio and (len(current) + 1) * length <= self.max_batch_tokens:
+                current.append(row)
+                continue
+            if current:
+                runs.append(np.array(current))
+            current, shortest = [row], length
+        if current:
+            runs.append(np.array(current))
+        return runs
+
+    @classmethod
+    def from_parameters(cls, parameters: Mapping[str, str]) -> "LengthGrouping":
+        return cls(length_input=parameters.get("length_input") or None,
+                   max_batch_tokens=int(parameters.get("max_batch_tokens", cls.max_batch_tokens)))
 
 
 # In the error for a key this model instance does not hold (another instance, or evicted): a
@@ -235,7 +312,8 @@ class EmbeddedComputeModel:
             version_dir / parameters.get("onnx_file", "model.onnx"),
             intra_op_threads=int(parameters.get("intra_op_threads", "0")),
             output_names=[o["name"] for o in config["output"]],
-            pad_ragged=any(i.get("allow_ragged_batch", False) for i in config["input"]),
+            length_grouping=(LengthGrouping.from_parameters(parameters)
+                             if any(i.get("allow_ragged_batch", False) for i in config["input"]) else None),
             execution_providers=parameters.get("execution_providers", "cpu").split(","),
             engine_cache_dir=engine_cache_dir(name),
             spin_wait=parameters.get("intra_op_spin_wait", "true") == "true",
@@ -259,20 +337,26 @@ class EmbeddedComputeModel:
         feeds.update(self.cache.resolve(str(key), feeds, None if rows is None else parse_rows(str(rows))))
         return feeds, str(key)
 
-    def run(self, requests: Sequence[tuple[Mapping[str, np.ndarray], str | None]]
-            ) -> list[dict[str, np.ndarray] | Exception]:
+    def run(self, requests: Sequence[tuple[Mapping[str, np.ndarray], str | None]],
+            wanted: Sequence[Sequence[str] | None] | None = None) -> list[dict[str, np.ndarray] | Exception]:
         """``feeds`` results of one execute → per request its outputs, or the error that fails it.
+        ``wanted[i]``: the outputs request i asked for (Triton's ``requested_output_names``; None or
+        empty: all); a run computes the union of its requests' and answers each with its own.
         Requests without a cache key run as one batch; one with a key runs alone (its cached tensors
         are its caller's own: copying them into a batch would cost what the cache saves). An ONNX
         Runtime failure fails the requests of that run only."""
+        asked = [list(names) if names else list(self.runner.output_names)
+                 for names in (wanted or [None] * len(requests))]
         plain = [index for index, (_, key) in enumerate(requests) if key is None]
         keyed = [[index] for index, (_, key) in enumerate(requests) if key is not None]
         results: list = [None] * len(requests)
         for group in ([plain] if plain else []) + keyed:
+            names = [name for name in self.runner.output_names if any(name in asked[index] for index in group)]
             try:
-                outputs = self.runner.run([requests[index][0] for index in group])
+                outputs = self.runner.run([requests[index][0] for index in group], names)
             except Exception as error:  # fails these requests, not the server
                 outputs = [RuntimeError(f"{self.name}: ONNX Runtime failed: {error}")] * len(group)
             for index, output in zip(group, outputs):
-                results[index] = output
+                results[index] = output if isinstance(output, Exception) else {
+                    name: array for name, array in output.items() if name in asked[index]}
         return results

@@ -1,16 +1,19 @@
-"""Text pipeline logic: UTF-8 decoding with limits, tokenizing into length buckets, mean pooling,
-and zero-shot intent scoring against label prototypes.
+"""Text pipeline logic: UTF-8 decoding with limits, tokenizing (into length buckets where the
+encoder needs equal shapes), mean pooling, and zero-shot intent scoring against label prototypes.
 
-Length buckets: Triton's dynamic batcher only puts requests whose tensors have the same shape into
-one batch. Padding every request to the next bucket length (16, 32, ... 256) lets requests of
-different lengths share a batch while keeping padding waste under 2x (see docs/design.md).
+How mixed lengths share a batch (docs/design.md, "Batching requests of different lengths"):
+- embedded target: the encoder takes ragged batches, so the tokenizer pads a request only to its
+  own longest text and the encoder's runner groups rows by their own length
+  (``onnx_runner.LengthGrouping``, at most ``MAX_BATCH_TOKENS`` padded tokens per run);
+- gpu target: the native onnxruntime backend only batches equal shapes, so the tokenizer pads each
+  request to the next length bucket (16, 32, ... 256): padding waste under 2x.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -19,12 +22,16 @@ from .scoring import softmax
 
 MAX_SEQUENCE_LENGTH = 256
 LENGTH_BUCKETS = (16, 32, 64, 128, 256)
+# The embedded encoder's length grouping: padded tokens per ONNX Runtime run (64 rows of 64 tokens,
+# 16 of 256). Larger runs gain nothing on a CPU and hold the rows that finish first.
+MAX_BATCH_TOKENS = 4096
 # A request text larger than this is refused rather than tokenized: tokenizing 1 MB costs ~100 ms
 # of a shared CPU for a result truncated to 256 tokens anyway.
 MAX_TEXT_BYTES = 64 * 1024
 # The parameters the builder writes into text_tokenizer's config.pbtxt (the source names none of
 # them): these constants are the one place each value lives (docs/design.md, "Change a limit").
-# length_buckets "none" in a config override pads to the longest text only (ragged batching).
+# length_buckets "none" pads a request to its longest text only (ragged batching: the builder
+# writes it on the embedded target, text_pipeline.TextPipeline.patch_config).
 CONFIG_PARAMETERS = {
     "text_tokenizer": {"max_sequence_length": MAX_SEQUENCE_LENGTH, "max_text_bytes": MAX_TEXT_BYTES,
                        "length_buckets": LENGTH_BUCKETS},
@@ -104,6 +111,23 @@ class TextTokenizer:
         self.pad_id = self.tokenizer.token_to_id("[PAD]") or 0
         # Another tokenizer pipeline (a user's checkpoint) is tokenized whole.
         self.prefix_chars = prefix_chars if prefix_chars and _is_bert_wordpiece(self.tokenizer) else None
+
+    @classmethod
+    def from_parameters(cls, tokenizer_json: Path | str, parameters: Mapping[str, str]) -> "TextTokenizer":
+        """As ``text_tokenizer`` is configured: its config parameters (written by the builder)."""
+        return cls(tokenizer_json, max_length=int(parameters["max_sequence_length"]),
+                   buckets=parse_buckets(parameters["length_buckets"]))
+
+    @classmethod
+    def served(cls, model_dir: Path) -> "TextTokenizer":
+        """The tokenizer a built ``text_tokenizer`` model folder serves (``model_repository/text_tokenizer``):
+        what an in-process reference or baseline must use to tokenize exactly as the served path."""
+        from google.protobuf import text_format
+        from tritonclient.grpc import model_config_pb2 as mc
+
+        config = text_format.Parse((Path(model_dir) / "config.pbtxt").read_text(), mc.ModelConfig())
+        return cls.from_parameters(Path(model_dir) / "1" / "tokenizer.json",
+                                   {key: value.string_value for key, value in config.parameters.items()})
 
     def _encode_bounded(self, texts: list[str]) -> list:
         """``encode_batch(texts)`` with the cost of a row bounded by the token limit, not its bytes.

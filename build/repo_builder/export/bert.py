@@ -7,7 +7,11 @@ from pathlib import Path
 
 
 def export_bert(checkpoint: Path | None, onnx_path: Path, random_seed: int = 0) -> None:
-    """BertModel → ONNX (legacy exporter, opset 17) with dynamic batch and sequence axes.
+    """BertModel → ONNX (legacy exporter, opset 17) with dynamic batch and sequence axes. Outputs:
+    ``last_hidden_state`` and ``embedding``, the sentence-transformers pooling (mean of the token
+    states under the mask, unit L2 norm: ``text.mean_pool_normalize`` is the reference) as graph
+    ops, so the served pipeline has no Python hop after the encoder and ONNX Runtime computes only
+    what a caller asks for.
 
     ``checkpoint=None`` builds bert-base-uncased's architecture with deterministic random weights.
     """
@@ -21,21 +25,24 @@ def export_bert(checkpoint: Path | None, onnx_path: Path, random_seed: int = 0) 
         model = BertModel.from_pretrained(str(checkpoint), add_pooling_layer=False)
     model.eval()
 
-    class LastHiddenState(torch.nn.Module):
+    class EncoderWithPooling(torch.nn.Module):
         def __init__(self, bert):
             super().__init__()
             self.bert = bert
 
         def forward(self, input_ids, attention_mask):
-            return self.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+            hidden = self.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+            mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
+            pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
+            return hidden, pooled / torch.linalg.vector_norm(pooled, dim=1, keepdim=True).clamp(min=1e-12)
 
     ids = torch.ones((2, 16), dtype=torch.int64)
     with torch.no_grad():
         torch.onnx.export(
-            LastHiddenState(model), (ids, torch.ones_like(ids)), str(onnx_path),
-            input_names=["input_ids", "attention_mask"], output_names=["last_hidden_state"],
+            EncoderWithPooling(model), (ids, torch.ones_like(ids)), str(onnx_path),
+            input_names=["input_ids", "attention_mask"], output_names=["last_hidden_state", "embedding"],
             dynamic_axes={"input_ids": {0: "batch", 1: "sequence"},
                           "attention_mask": {0: "batch", 1: "sequence"},
-                          "last_hidden_state": {0: "batch", 1: "sequence"}},
+                          "last_hidden_state": {0: "batch", 1: "sequence"}, "embedding": {0: "batch"}},
             opset_version=17, dynamo=False,
         )

@@ -18,9 +18,13 @@ class TritonPythonModel:
                                                       model_parameters(args), version_dir(args))
 
     def execute(self, requests):
-        return respond(requests, self.feeds, self.model.run)
+        return respond(requests, self.parse, self.run)
 
-    def feeds(self, request):
+    def parse(self, request):
         given = {name: input_array(request, name) for name in self.model.input_names}
-        return self.model.feeds({name: array for name, array in given.items() if array is not None},
-                                request_parameters(request))
+        feeds = self.model.feeds({name: array for name, array in given.items() if array is not None},
+                                 request_parameters(request))
+        return feeds, request.requested_output_names()
+
+    def run(self, works):
+        return self.model.run([feeds for feeds, _ in works], [wanted for _, wanted in works])
