@@ -1,9 +1,11 @@
 """FastAPI peer of ``text_embedding``: POST /embed, body = texts as a BYTES tensor's bytes, answer =
-float32 [n, 384] embeddings, raw little-endian. Tokenizer, ONNX file, pooling and threads as served.
+float32 [n, 384] embeddings, raw little-endian. Tokenizer, ONNX file (pooling in the graph), threads
+and the length grouping as served.
 
-The batcher tokenizes a whole batch at once and, as a careful engineer does on a CPU (where padding
-costs compute, attention quadratically), splits it by length into the pipeline's buckets (16, 32,
-64, 128, 256 tokens): one ONNX Runtime call per bucket present, then pooling, on the model thread.
+The batcher tokenizes each request as the served tokenizer does and runs the whole micro-batch as
+one call of the same runner the embedded target serves with: rows sorted by their own length and
+cut into runs of similar length (``onnx_runner.LengthGrouping``), as a careful engineer does on a
+CPU, where padding costs compute (attention quadratically).
 
 With ``PEER_ENCODE_MODEL=<encoder>`` (e.g. bert_base_encoder, for the tutorial table) the peer also
 serves POST /encode?batch=B&length=L: body = int64 input_ids then attention_mask [B, L] (the bytes of
@@ -17,8 +19,8 @@ from pathlib import Path
 import numpy as np
 from fastapi import HTTPException, Request, Response
 
-from triton_pipelines.onnx_runner import OnnxBatchRunner
-from triton_pipelines.text import LENGTH_BUCKETS, TextTokenizer, bucket_length, mean_pool_normalize
+from triton_pipelines.onnx_runner import LengthGrouping, OnnxBatchRunner
+from triton_pipelines.text import MAX_BATCH_TOKENS, TextTokenizer
 
 from .batcher import MicroBatcher
 from .common import THREADS, body_items, make_app
@@ -26,31 +28,18 @@ from .common import THREADS, body_items, make_app
 REPOSITORY = Path(os.environ["PEER_REPOSITORY"])
 MAX_BATCH = 64  # text_encoder's max_batch_size
 
-tokenizer = TextTokenizer(REPOSITORY / "text_tokenizer" / "1" / "tokenizer.json")
+tokenizer = TextTokenizer.served(REPOSITORY / "text_tokenizer")
 runner = OnnxBatchRunner(REPOSITORY / "text_encoder" / "1" / "model.onnx", intra_op_threads=THREADS,
-                         output_names=["last_hidden_state"])
+                         output_names=["embedding"],
+                         length_grouping=LengthGrouping("attention_mask", max_batch_tokens=MAX_BATCH_TOKENS))
 
 
 def embed(requests: list[list[str]]) -> list[np.ndarray]:
-    texts = [text for request in requests for text in request]
-    encodings = tokenizer.tokenizer.encode_batch(texts)
-    groups: dict[int, list[int]] = {}
-    for index, encoding in enumerate(encodings):
-        groups.setdefault(bucket_length(len(encoding.ids), tokenizer.buckets or LENGTH_BUCKETS), []).append(index)
-    embeddings = np.empty((len(texts), 0), np.float32)
-    for length, indices in groups.items():
-        ids = np.full((len(indices), length), tokenizer.pad_id, np.int64)
-        mask = np.zeros((len(indices), length), np.int64)
-        for row, index in enumerate(indices):
-            n = len(encodings[index].ids)
-            ids[row, :n], mask[row, :n] = encodings[index].ids, 1
-        (out,) = runner.run([{"input_ids": ids, "attention_mask": mask}])
-        pooled = mean_pool_normalize(out["last_hidden_state"], mask)
-        if not embeddings.size:
-            embeddings = np.empty((len(texts), pooled.shape[1]), np.float32)
-        embeddings[indices] = pooled
-    offsets = np.cumsum([0] + [len(r) for r in requests])
-    return [embeddings[offsets[i]:offsets[i + 1]] for i in range(len(requests))]
+    feeds = []
+    for texts in requests:
+        tokens = tokenizer.encode(texts)
+        feeds.append({"input_ids": tokens.input_ids, "attention_mask": tokens.attention_mask})
+    return [out["embedding"] for out in runner.run(feeds)]
 
 
 batcher = MicroBatcher(embed, max_items=MAX_BATCH, size=len)

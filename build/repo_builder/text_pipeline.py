@@ -17,7 +17,7 @@ from triton_pipelines.onnx_runner import LengthGrouping
 from .compute import ComputeModel, TensorSpec
 from .export.bert import export_bert
 from .files import hash_files, is_fresh, mark_fresh
-from .pipeline import BuildContext, Pipeline
+from .pipeline import BuildContext, Pipeline, parameter_text
 
 INTENTS_FILE = Path("data") / "intents.yaml"  # in the project
 MAX_BATCH_SIZE = 64
@@ -87,9 +87,11 @@ class TextPipeline(Pipeline):
         return models
 
     def patch_config(self, config: mc.ModelConfig, context: BuildContext) -> None:
-        if config.name == "text_tokenizer" and context.target == "embedded":
-            # the encoders take ragged batches there (LENGTH_GROUPING): no bucket padding
-            config.parameters["length_buckets"].string_value = "none"
+        if config.name == "text_tokenizer":
+            # embedded: the encoders take ragged batches (LENGTH_GROUPING), so no bucket padding;
+            # gpu: the native onnxruntime backend batches equal shapes only
+            config.parameters["length_buckets"].string_value = (
+                "none" if context.target == "embedded" else parameter_text(text.LENGTH_BUCKETS))
         hidden = self.hidden_size(context)
         for tensor in list(config.input) + list(config.output):
             if tensor.name in EMBEDDING_TENSORS:

@@ -71,6 +71,11 @@ def onnx_session(model_path: Path | str, intra_op_threads: int = 0, execution_pr
     options = ort.SessionOptions()
     options.intra_op_num_threads = intra_op_threads
     options.inter_op_num_threads = 1
+    # No memory pattern: ONNX Runtime plans one arena block per input shape it has seen and keeps
+    # each, so a model served at many batch sizes and lengths grows with every new shape. Measured on
+    # whisper_encoder (batch 1, 8, 2, 8): 2975 MB resident with it, 1649 MB without (the peak of one
+    # run), at no measurable cost per run (the arena still serves the allocations).
+    options.enable_mem_pattern = False
     if not spin_wait:
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     providers = providers_for(execution_providers, ort.get_available_providers(), engine_cache_dir)

@@ -30,11 +30,11 @@ MAX_BATCH_TOKENS = 4096
 MAX_TEXT_BYTES = 64 * 1024
 # The parameters the builder writes into text_tokenizer's config.pbtxt (the source names none of
 # them): these constants are the one place each value lives (docs/design.md, "Change a limit").
-# length_buckets "none" pads a request to its longest text only (ragged batching: the builder
-# writes it on the embedded target, text_pipeline.TextPipeline.patch_config).
+# The tokenizer's length_buckets parameter depends on how the target's encoder batches, so the
+# builder writes it per target (text_pipeline.TextPipeline.patch_config): "none" (pad a request to its
+# longest text only) on the embedded target, LENGTH_BUCKETS on the gpu target.
 CONFIG_PARAMETERS = {
-    "text_tokenizer": {"max_sequence_length": MAX_SEQUENCE_LENGTH, "max_text_bytes": MAX_TEXT_BYTES,
-                       "length_buckets": LENGTH_BUCKETS},
+    "text_tokenizer": {"max_sequence_length": MAX_SEQUENCE_LENGTH, "max_text_bytes": MAX_TEXT_BYTES},
 }
 
 
@@ -122,12 +122,12 @@ class TextTokenizer:
     def served(cls, model_dir: Path) -> "TextTokenizer":
         """The tokenizer a built ``text_tokenizer`` model folder serves (``model_repository/text_tokenizer``):
         what an in-process reference or baseline must use to tokenize exactly as the served path."""
-        from google.protobuf import text_format
-        from tritonclient.grpc import model_config_pb2 as mc
+        import re
 
-        config = text_format.Parse((Path(model_dir) / "config.pbtxt").read_text(), mc.ModelConfig())
-        return cls.from_parameters(Path(model_dir) / "1" / "tokenizer.json",
-                                   {key: value.string_value for key, value in config.parameters.items()})
+        # the parameters as the builder writes them (text_format); no protobuf in the serving stack
+        config = (Path(model_dir) / "config.pbtxt").read_text()
+        parameters = dict(re.findall(r'key:\s*"([^"]+)"\s*value\s*\{\s*string_value:\s*"([^"]*)"', config))
+        return cls.from_parameters(Path(model_dir) / "1" / "tokenizer.json", parameters)
 
     def _encode_bounded(self, texts: list[str]) -> list:
         """``encode_batch(texts)`` with the cost of a row bounded by the token limit, not its bytes.
