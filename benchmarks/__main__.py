@@ -30,6 +30,8 @@ HEADER = """# Benchmarks
 
 Written by `make bench` (`python -m benchmarks`); every number in a section comes from one run on
 one machine, so compare ratios within a section rather than across sections or machines.
+Triton's own Model Analyzer against this server (it works in remote mode, with a wrapper for the
+control key, on a launcher of its own): [model_analyzer.md](model_analyzer.md).
 """
 
 
