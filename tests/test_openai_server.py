@@ -125,6 +125,36 @@ def test_embeddings_equal_the_native_pipeline_and_count_real_tokens(client, serv
     assert np.allclose(np.array(floats.data[0].embedding, np.float32), expected[0], atol=1e-6)
 
 
+def test_the_embedding_requests_raw_grpc_form_is_tritonclients():
+    """/v1/embeddings builds its ModelInferRequest itself (no tritonclient wrappers): the BYTES
+    tensor in raw_input_contents as tritonclient serializes it, the FP32 output read from
+    raw_output_contents; anything else is a clean 500, not a wrong vector."""
+    from tritonclient.grpc import service_pb2
+    from tritonclient.utils import serialize_byte_tensor
+
+    from triton_pipelines import openai_protocol as proto
+    from triton_pipelines.openai_server import bytes_request, fp32_output
+
+    texts = ["How do I reset my password?".encode(), b"", "héllo".encode(), b"x" * 70_000]
+    request = bytes_request(service_pb2, "text_embedding", "text", texts, "embedding")
+    assert request.model_name == "text_embedding" and [o.name for o in request.outputs] == ["embedding"]
+    tensor = request.inputs[0]
+    assert (tensor.name, tensor.datatype, list(tensor.shape)) == ("text", "BYTES", [4, 1])
+    expected = serialize_byte_tensor(np.array(texts, dtype=np.object_).reshape(-1, 1))
+    assert request.raw_input_contents == [expected.item()]  # as InferInput.set_data_from_numpy keeps it
+
+    vectors = np.random.default_rng(0).standard_normal((2, 384)).astype(np.float32)
+    response = service_pb2.ModelInferResponse(model_name="text_embedding")
+    response.outputs.add(name="other", datatype="BYTES", shape=[2, 1])
+    response.outputs.add(name="embedding", datatype="FP32", shape=[2, 384])
+    response.raw_output_contents.extend([b"\0" * 8, vectors.tobytes()])
+    assert np.array_equal(fp32_output(response, "embedding"), vectors)
+    for name in ("other", "missing"):
+        with pytest.raises(proto.OpenAIError) as caught:
+            fp32_output(response, name)
+        assert caught.value.status == 500
+
+
 def test_a_list_of_64_strings_is_one_triton_request_and_130_are_three(client, server):
     internal = TritonClient("http", server.internal_url("http"))
     try:
