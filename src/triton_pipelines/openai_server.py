@@ -51,6 +51,7 @@ from .layout import BuiltManifest
 from .prometheus_text import family
 from .routing import RouteError
 from .screen import restarting_model_message
+from .screen_server import Upstream, read_body, read_head
 
 GATEWAY_ERRORS = (GatewayRefusal, RouteError, InputError)  # what GatewayService raises for a request
 EMBEDDING_BATCH = 64  # text_embedding's max_batch_size
@@ -295,8 +296,6 @@ class TritonHttp:
     gRPC status names ``triton_error`` reads."""
 
     def __init__(self, addresses: list[str], grpcclient):
-        from .screen_server import Upstream
-
         self.addresses = list(addresses)
         self.upstreams = [Upstream(a) for a in addresses]
         self.grpcclient = grpcclient
@@ -341,8 +340,6 @@ class TritonHttp:
 
     @staticmethod
     async def _exchange(upstream, message: bytes) -> tuple[int, list, bytes]:
-        from .screen_server import read_body, read_head
-
         for attempt in (0, 1):
             reader, writer, reused = await upstream.connection()
             try:
