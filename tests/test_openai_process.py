@@ -37,3 +37,16 @@ def test_a_frontend_that_keeps_dying_is_restarted_with_backoff(monkeypatch):
     assert frontend.ensure_running() and frontend.restarts == 2
     frontend.process.wait()
     assert "launcher_openai_frontend_restarts_total 2" in frontend.metrics_text()
+
+
+def test_the_replicas_http_ports_are_passed_one_per_replica(monkeypatch):
+    monkeypatch.delenv("TRITON_API_KEYS_FILE", raising=False)
+    frontend = FrontendProcess(Path("model_repository"), ["127.0.0.1:1", "127.0.0.1:2"], print,
+                               triton_http=["127.0.0.1:3", "127.0.0.1:4"])
+    command = frontend.command()
+    assert [a for a in command if a.startswith("--triton-")] == [
+        "--triton-grpc=127.0.0.1:1", "--triton-grpc=127.0.0.1:2", "--triton-http=127.0.0.1:3", "--triton-http=127.0.0.1:4"]
+    assert not any(a.startswith("--triton-http") for a in FrontendProcess(Path("model_repository"), ["127.0.0.1:1"],
+                                                                          print).command())
+    with pytest.raises(ValueError):
+        FrontendProcess(Path("model_repository"), ["127.0.0.1:1", "127.0.0.1:2"], print, triton_http=["127.0.0.1:3"])

@@ -94,16 +94,47 @@ def test_bad_embeddings_requests_name_the_field(body, param):
     assert error.status == 400 and error.param == param, error.message
 
 
-def test_embeddings_response_float_and_base64():
+def test_embeddings_body_float_and_base64():
     vectors = np.random.default_rng(0).standard_normal((2, 4)).astype(np.float32)
-    floats = proto.embeddings_response("text_embedding", vectors, "float", 5)
+    floats = json.loads(proto.embeddings_body("text_embedding", vectors, "float", 5))
+    assert floats["object"] == "list" and floats["model"] == "text_embedding"
     assert floats["usage"] == {"prompt_tokens": 5, "total_tokens": 5}
-    assert [d["index"] for d in floats["data"]] == [0, 1]
+    assert [(d["object"], d["index"]) for d in floats["data"]] == [("embedding", 0), ("embedding", 1)]
     assert np.array_equal(np.array(floats["data"][1]["embedding"], np.float32), vectors[1])
-    encoded = proto.embeddings_response("text_embedding", vectors, "base64", 5)
+    encoded = json.loads(proto.embeddings_body("text_embedding", vectors, "base64", 5))
     decoded = np.frombuffer(base64.b64decode(encoded["data"][0]["embedding"]), dtype="<f4")
     assert np.array_equal(decoded, vectors[0])
-    json.dumps(floats)
+    # any layout and width the server may hold: a non-contiguous view, big-endian, float64
+    assert json.loads(proto.embeddings_body("m", vectors[:, ::2], "float", 0))["data"][1]["embedding"] == \
+        json.loads(proto.embeddings_body("m", np.ascontiguousarray(vectors[:, ::2]), "float", 0))["data"][1]["embedding"]
+    for other in (vectors.astype(">f4"), vectors.astype(np.float64)):
+        for encoding in ("float", "base64"):
+            assert proto.embeddings_body("m", other, encoding, 0) == proto.embeddings_body("m", vectors, encoding, 0)
+
+
+def float32_from_json(text: bytes) -> np.ndarray:
+    """What a client gets: JSON numbers parsed as Python floats (float64), then read as float32."""
+    return np.array(json.loads(text)["data"][0]["embedding"], dtype=np.float64).astype(np.float32)
+
+
+def test_embedding_floats_read_back_as_the_same_float32_bits():
+    """The JSON text of each value is the shortest decimal that reads back as the same float32:
+    every float32 a model can output, bit for bit (random unit vectors, every exponent, subnormals,
+    the extremes, signed zero)."""
+    rng = np.random.default_rng(23)
+    unit = rng.standard_normal((64, 384)).astype(np.float32)
+    unit /= np.linalg.norm(unit, axis=1, keepdims=True)
+    every_exponent = (rng.integers(0, 1 << 23, 256 * 8, dtype=np.uint32)
+                      | (np.repeat(np.arange(256, dtype=np.uint32), 8) << 23)
+                      | (rng.integers(0, 2, 256 * 8, dtype=np.uint32) << 31)).view(np.float32)
+    special = np.array([0.0, -0.0, 1.0, -1.0, 0.1, 1e-7, 123456789.0, np.finfo(np.float32).max,
+                        np.finfo(np.float32).tiny, np.float32(1e-45), -np.float32(1e-45)], np.float32)
+    for row in [*unit, every_exponent[np.isfinite(every_exponent)], special]:
+        text = proto.embeddings_body("text_embedding", row[None, :], "float", 0)
+        got = float32_from_json(text)
+        assert np.array_equal(got.view(np.uint32), row.view(np.uint32))
+    # shortest: 0.1f is written "0.1", not its float64 expansion 0.10000000149011612
+    assert b"[0.1]" in proto.embeddings_body("m", np.array([[0.1]], np.float32), "float", 0)
 
 
 def test_batches_cover_every_item_at_most_the_max_batch_each():

@@ -125,6 +125,119 @@ def test_embeddings_equal_the_native_pipeline_and_count_real_tokens(client, serv
     assert np.allclose(np.array(floats.data[0].embedding, np.float32), expected[0], atol=1e-6)
 
 
+def test_the_embedding_requests_raw_grpc_form_is_tritonclients():
+    """/v1/embeddings builds its ModelInferRequest itself (no tritonclient wrappers): the BYTES
+    tensor in raw_input_contents as tritonclient serializes it, the FP32 output read from
+    raw_output_contents; anything else is a clean 500, not a wrong vector."""
+    from tritonclient.grpc import service_pb2
+    from tritonclient.utils import serialize_byte_tensor
+
+    from triton_pipelines import openai_protocol as proto
+    from triton_pipelines.openai_server import bytes_request, fp32_output
+
+    texts = ["How do I reset my password?".encode(), b"", "héllo".encode(), b"x" * 70_000]
+    request = bytes_request(service_pb2, "text_embedding", "text", texts, "embedding")
+    assert request.model_name == "text_embedding" and [o.name for o in request.outputs] == ["embedding"]
+    tensor = request.inputs[0]
+    assert (tensor.name, tensor.datatype, list(tensor.shape)) == ("text", "BYTES", [4, 1])
+    expected = serialize_byte_tensor(np.array(texts, dtype=np.object_).reshape(-1, 1))
+    assert request.raw_input_contents == [expected.item()]  # as InferInput.set_data_from_numpy keeps it
+
+    vectors = np.random.default_rng(0).standard_normal((2, 384)).astype(np.float32)
+    response = service_pb2.ModelInferResponse(model_name="text_embedding")
+    response.outputs.add(name="other", datatype="BYTES", shape=[2, 1])
+    response.outputs.add(name="embedding", datatype="FP32", shape=[2, 384])
+    response.raw_output_contents.extend([b"\0" * 8, vectors.tobytes()])
+    assert np.array_equal(fp32_output(response, "embedding"), vectors)
+    for name in ("other", "missing"):
+        with pytest.raises(proto.OpenAIError) as caught:
+            fp32_output(response, name)
+        assert caught.value.status == 500
+
+
+def test_binary_http_answers_are_read_by_offset_and_checked():
+    from triton_pipelines import openai_protocol as proto
+    from triton_pipelines.openai_server import http_fp32_output
+
+    vectors = np.arange(6, dtype=np.float32).reshape(2, 3)
+    header = json.dumps({"outputs": [{"name": "other", "datatype": "BYTES", "shape": [1],
+                                      "parameters": {"binary_data_size": 5}},
+                                     {"name": "embedding", "datatype": "FP32", "shape": [2, 3],
+                                      "parameters": {"binary_data_size": 24}}]}).encode()
+    headers = [(b"inference-header-content-length", str(len(header)).encode())]
+    body = header + b"12345" + vectors.tobytes()
+    assert np.array_equal(http_fp32_output(headers, body, "embedding"), vectors)
+    for name, answer in (("other", body), ("missing", body), ("embedding", body[:-4]), ("embedding", b"{")):
+        with pytest.raises(proto.OpenAIError) as caught:
+            http_fp32_output(headers if answer is body else [], answer, name)
+        assert caught.value.status == 500
+
+
+def start_frontend(extra: list[str], env: dict | None = None):
+    """The frontend alone on a free port (no nginx, no keys); (process, base URL) once it answers."""
+    import subprocess
+    import sys
+
+    from triton_pipelines.processes import free_ports
+
+    port = free_ports(1)[0]
+    env = env if env is not None else {k: v for k, v in os.environ.items() if k != "TRITON_API_KEYS_FILE"}
+    process = subprocess.Popen([sys.executable, "-m", "triton_pipelines.openai_server", f"--port={port}",
+                                f"--model-repository={ensure_repository()}", *extra], env=env, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2).read()
+            return process, f"http://127.0.0.1:{port}"
+        except OSError:
+            if time.monotonic() > deadline or process.poll() is not None:
+                process.kill()
+                raise AssertionError(f"the frontend did not start: {process.stderr.read()[-2000:]!r}")
+            time.sleep(0.2)
+
+
+def test_embeddings_over_triton_http_equal_the_grpc_path(server):
+    """--triton-http (each replica's loopback HTTP port): /v1/embeddings over HTTP gives the gRPC
+    path's answer byte for byte, errors included; a dead replica is skipped."""
+    grpc_address = server.internal_url("grpc").removeprefix("http://")
+    http_address = server.internal_url("http").removeprefix("http://")
+    dead = "127.0.0.1:1"
+    over_grpc, grpc_url = start_frontend([f"--triton-grpc={grpc_address}"])
+    over_http, http_url = start_frontend([f"--triton-grpc={grpc_address}", f"--triton-grpc={grpc_address}",
+                                          f"--triton-http={dead}", f"--triton-http={http_address}"])
+    try:
+        bodies = [{"model": "text_embedding", "input": ["How do I reset my password?", "", "héllo " * 40]},
+                  {"model": "text_embedding", "input": "x", "encoding_format": "base64"},
+                  {"model": "text_embedding", "input": [f"text {i}" for i in range(130)]},
+                  {"model": "text_embedding", "input": "x" * 70_000}, {"model": "nope", "input": "x"}]
+        for body in bodies:
+            answers = []
+            for url in (grpc_url, http_url, http_url):  # the dead replica first or second
+                request = urllib.request.Request(f"{url}/v1/embeddings", data=json.dumps(body).encode(),
+                                                 headers={"Content-Type": "application/json"}, method="POST")
+                try:
+                    with urllib.request.urlopen(request, timeout=60) as response:
+                        answers.append((response.status, response.read()))
+                except urllib.error.HTTPError as error:
+                    answers.append((error.code, error.read()))
+            assert answers[0] == answers[1] == answers[2], [(s, b[:200]) for s, b in answers]
+    finally:
+        for process in (over_grpc, over_http):
+            process.terminate()
+            process.wait(timeout=30)
+    # every replica unreachable: 503 in OpenAI's shape
+    nobody, url = start_frontend([f"--triton-grpc={dead}", f"--triton-http={dead}"])
+    try:
+        request = urllib.request.Request(f"{url}/v1/embeddings", data=b'{"model":"text_embedding","input":"x"}',
+                                         headers={"Content-Type": "application/json"}, method="POST")
+        with pytest.raises(urllib.error.HTTPError) as caught:
+            urllib.request.urlopen(request, timeout=30)
+        assert caught.value.code == 503 and json.loads(caught.value.read())["error"]["code"] == "service_unavailable"
+    finally:
+        nobody.terminate()
+        nobody.wait(timeout=30)
+
+
 def test_a_list_of_64_strings_is_one_triton_request_and_130_are_three(client, server):
     internal = TritonClient("http", server.internal_url("http"))
     try:

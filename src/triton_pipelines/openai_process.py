@@ -27,9 +27,15 @@ LOOPBACK = "127.0.0.1"
 
 class FrontendProcess:
     def __init__(self, model_repository: Path, triton_grpc: list[str], log: Callable[[str], None],
-                 stdout=None, stderr=None, port: int | None = None, spend_database_url: str | None = None):
+                 stdout=None, stderr=None, port: int | None = None, spend_database_url: str | None = None,
+                 triton_http: list[str] | None = None):
         self.model_repository = model_repository
         self.triton_grpc = list(triton_grpc)
+        # Each replica's loopback HTTP port, in the order of triton_grpc (optional): /v1/embeddings then
+        # calls Triton over HTTP, ~0.55 ms less CPU per request than gRPC (docs/openai.md).
+        self.triton_http = list(triton_http or [])
+        if self.triton_http and len(self.triton_http) != len(self.triton_grpc):
+            raise ValueError("triton_http needs one address per replica, like triton_grpc")
         self.log = log
         self.stdout, self.stderr = stdout, stderr
         self.port = port or free_ports(1)[0]
@@ -54,7 +60,8 @@ class FrontendProcess:
     def command(self) -> list[str]:
         return [sys.executable, "-m", "triton_pipelines.openai_server", f"--port={self.port}",
                 f"--model-repository={self.model_repository.resolve()}",
-                *[f"--triton-grpc={address}" for address in self.triton_grpc]]
+                *[f"--triton-grpc={address}" for address in self.triton_grpc],
+                *[f"--triton-http={address}" for address in self.triton_http]]
 
     def start(self) -> None:
         self.started_at = time.monotonic()
