@@ -142,7 +142,9 @@ class Launcher:
                 self.replicas.append(Replica(index, options, self.key, processes, self.metrics, self.log))
             self.openai = FrontendProcess(options.model_repository,
                                           [f"{LOOPBACK}:{r.internal.grpc}" for r in self.replicas], self.log,
-                                          stdout, stderr, spend_database_url=options.spend_database_url)
+                                          stdout, stderr, spend_database_url=options.spend_database_url,
+                                          # /v1/embeddings over loopback HTTP: 0.5 ms less CPU per call than gRPC
+                                          triton_http=[f"{LOOPBACK}:{r.internal.http}" for r in self.replicas])
             self.openai.start()
             self.proxy = ProxyProcess(self._proxy_config(tuple(range(options.replicas))), stdout=stdout, stderr=stderr)
         except Exception:
