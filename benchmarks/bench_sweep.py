@@ -46,14 +46,11 @@ CONCURRENCY = {"text_encoder": 16, "resnet50": 16, "whisper_encoder": 4}
 def requests_for(model: str, repository: Path):
     """One-item requests for a compute model: the tensors its pipeline would send it."""
     if model == "text_encoder":
-        from triton_pipelines.text import TextTokenizer
+        from .bench_text import corpus, full_length_tokens
 
-        from .bench_text import corpus
-
-        tokens = TextTokenizer(repository / "text_tokenizer" / "1" / "tokenizer.json", buckets=(32,),
-                               max_length=32).encode(corpus()[:16])
+        tokens = full_length_tokens(repository, corpus()[:16], 32)
         return [triton_request([("input_ids", "INT64", tokens.input_ids[i:i + 1]),
-                                ("attention_mask", "INT64", tokens.attention_mask[i:i + 1])], ["last_hidden_state"])
+                                ("attention_mask", "INT64", tokens.attention_mask[i:i + 1])], ["embedding"])
                 for i in range(len(tokens.input_ids))], "32-token sequences"
     if model == "resnet50":
         from triton_pipelines.vision import preprocess_image

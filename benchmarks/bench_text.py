@@ -80,10 +80,19 @@ def text_input_data(texts: list[str], name: str = "bench") -> Path:
     return path
 
 
-def token_input_data(repository: Path, texts: list[str], length: int) -> Path:
+def full_length_tokens(repository: Path, texts: list[str], length: int):
+    """Each text repeated until it fills ``length`` tokens (truncated there): sequences of exactly
+    ``length`` real tokens, no padding. A padded sequence would measure less than it says on the
+    embedded target, whose encoders skip each row's padding (ragged batching, length grouping)."""
     tokenizer = TextTokenizer(repository / "text_tokenizer" / "1" / "tokenizer.json", buckets=(length,),
                               max_length=length)
-    tokens = tokenizer.encode(texts)
+    tokens = tokenizer.encode([" ".join([text] * (length // max(len(text.split()), 1) + 1)) for text in texts])
+    assert tokens.attention_mask.all(), "a sequence is shorter than the length asked for"
+    return tokens
+
+
+def token_input_data(repository: Path, texts: list[str], length: int) -> Path:
+    tokens = full_length_tokens(repository, texts, length)
     path = BENCH_DIR / f"tokens_{length}.json"
     path.write_text(json.dumps({"data": [
         {"input_ids": {"content": ids.tolist(), "shape": [length]},
@@ -132,13 +141,54 @@ def length_strategies(server, data: dict[str, Path]) -> list[list]:
     return rows
 
 
+STEPS = ("text_tokenizer", "text_encoder")  # text_embedding's steps
+PARTS = ("queue", "compute_input", "compute_infer", "compute_output")
+
+
+def step_totals(client, model: str) -> dict[str, float]:
+    """Cumulative per-model statistics: requests, executions and ns in each part."""
+    stats = client.statistics(model)["model_stats"][0]["inference_stats"]
+    totals = {part: float(stats[part]["ns"]) for part in PARTS}
+    totals["requests"] = float(stats["success"]["count"])
+    return totals | {"executions": float(client.statistics(model)["model_stats"][0]["execution_count"])}
+
+
+def where_time_goes(server, measure) -> tuple[object, list[list]]:
+    """Run ``measure()`` and split each step's time per request from Triton's own statistics:
+    queue, compute_input (reading inputs into the stub), compute_infer (the model.py execute),
+    compute_output (the responses back to Triton)."""
+    from triton_pipelines.client import TritonClient
+
+    client = TritonClient("http", server.http_url)
+    try:
+        before = {model: step_totals(client, model) for model in STEPS}
+        result = measure()
+        after = {model: step_totals(client, model) for model in STEPS}
+    finally:
+        client.close()
+    rows = []
+    for model in STEPS:
+        delta = {key: after[model][key] - before[model][key] for key in after[model]}
+        requests = max(delta["requests"], 1)
+        rows.append([model, int(delta["executions"]), delta["requests"] / max(delta["executions"], 1)]
+                    + [delta[part] / requests / 1e6 for part in PARTS])
+    return result, rows
+
+
 def traffic_section(server, repository: Path, name: str, texts: list[str]) -> tuple[list[str], dict]:
     """One traffic: Triton's curve, the in-process sweep, back-to-back pairs and the two ratios."""
     data = text_input_data(texts, name)
     baseline = {b: in_process(repository, texts, b) for b in (1, 4, 8, 16, 32)}
     best_batch = max(baseline, key=lambda b: baseline[b][0])
     concurrency = CONCURRENCY if name == "bench" else (1, 4, 16)
-    rows = [perf_analyzer("text_embedding", server.grpc_url, c, input_data=data) for c in concurrency]
+    rows, split = [], []
+    for c in concurrency:
+        if c == 16:
+            row, split = where_time_goes(server, lambda: perf_analyzer("text_embedding", server.grpc_url, c,
+                                                                       input_data=data))
+        else:
+            row = perf_analyzer("text_embedding", server.grpc_url, c, input_data=data)
+        rows.append(row)
     peak = max(rows, key=lambda r: r.throughput)
     # The shared machine drifts between tables: the targets are judged on back-to-back pairs
     # (in-process, then Triton, measured together), median of PAIRS.
@@ -158,6 +208,12 @@ def traffic_section(server, repository: Path, name: str, texts: list[str]) -> tu
         markdown_table(["concurrency", "texts/s", "p50 ms", "p95 ms", "p99 ms", "server queue ms", "server compute ms"],
                        [[r.concurrency, r.throughput, r.p50_ms, r.p95_ms, r.p99_ms, r.server_queue_ms,
                          r.server_compute_ms] for r in rows]),
+        "",
+        "Where the time goes at concurrency 16 (Triton's per-model statistics, ms per request; each request "
+        "counts the whole execution it was part of, so its share of compute is that over the average batch):",
+        "",
+        markdown_table(["step", "executions", "avg requests per execution", "queue", "compute_input",
+                        "compute_infer", "compute_output"], split),
         "",
         markdown_table(["in-process batch size", "texts/s", "p50 ms per batch"],
                        [[b, t, p] for b, (t, p) in baseline.items()]),

@@ -27,13 +27,14 @@ class PeerProcess:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def rss_bytes(self) -> int:
-        """Resident memory of the peer's process tree (the server and any worker it forked)."""
+    def pss_bytes(self) -> int:
+        """Memory (PSS, as for Triton's processes: shared pages counted once) of the peer's process
+        tree (the server and any worker it forked)."""
         import psutil
 
         try:
             root = psutil.Process(self.process.pid)
-            return sum(p.memory_info().rss for p in [root, *root.children(recursive=True)])
+            return sum(p.memory_full_info().pss for p in [root, *root.children(recursive=True)])
         except psutil.NoSuchProcess:
             return 0
 
