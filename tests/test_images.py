@@ -341,6 +341,7 @@ def requirement_closure(requirements: Path, python: str = "3.10") -> set[str]:
             sub = Requirement(text)
             for extra in [""] + sorted(requirement.extras):
                 if sub.marker is None or sub.marker.evaluate({**environment, "extra": extra}):
+                    sub.marker = None  # evaluated here, with the parent's extras; not again without them
                     pending.append(sub)
                     break
     return {name for name in found if "[" not in name}
