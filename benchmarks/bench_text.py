@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from triton_pipelines.onnx_runner import OnnxBatchRunner
+from triton_pipelines.onnx_runner import LengthGrouping, OnnxBatchRunner
 from triton_pipelines.text import LENGTH_BUCKETS, TextTokenizer
 
 from .perf import BENCH_DIR, markdown_table, perf_analyzer
@@ -47,7 +47,7 @@ def in_process(repository: Path, texts: list[str], batch_size: int, seconds: flo
     the served encoder's ``LengthGrouping`` (embedded target). (texts/s, p50 ms per batch)."""
     tokenizer = TextTokenizer.served(repository / "text_tokenizer")
     runner = OnnxBatchRunner(repository / "text_encoder" / "1" / "model.onnx", intra_op_threads=THREADS,
-                             output_names=["embedding"], length_grouping=served_length_grouping(repository))
+                             output_names=["embedding"], length_grouping=LengthGrouping.served(repository / "text_encoder"))
     batches = [texts[i:i + batch_size] for i in range(0, len(texts), batch_size)]
     latencies, done, started = [], 0, time.perf_counter()
     while time.perf_counter() - started < seconds:
@@ -58,19 +58,6 @@ def in_process(repository: Path, texts: list[str], batch_size: int, seconds: flo
             latencies.append(time.perf_counter() - t0)
             done += len(batch)
     return done / (time.perf_counter() - started), statistics.median(latencies) * 1000
-
-
-def served_length_grouping(repository: Path):
-    """The served text_encoder's ragged-batch grouping (None where it batches equal shapes only)."""
-    from google.protobuf import text_format
-    from tritonclient.grpc import model_config_pb2 as mc
-
-    from triton_pipelines.onnx_runner import LengthGrouping
-
-    config = text_format.Parse((repository / "text_encoder" / "config.pbtxt").read_text(), mc.ModelConfig())
-    if not any(tensor.allow_ragged_batch for tensor in config.input):
-        return None
-    return LengthGrouping.from_parameters({key: value.string_value for key, value in config.parameters.items()})
 
 
 def text_input_data(texts: list[str], name: str = "bench") -> Path:

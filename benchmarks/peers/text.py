@@ -20,7 +20,7 @@ import numpy as np
 from fastapi import HTTPException, Request, Response
 
 from triton_pipelines.onnx_runner import LengthGrouping, OnnxBatchRunner
-from triton_pipelines.text import MAX_BATCH_TOKENS, TextTokenizer
+from triton_pipelines.text import TextTokenizer
 
 from .batcher import MicroBatcher
 from .common import THREADS, body_items, make_app
@@ -30,8 +30,7 @@ MAX_BATCH = 64  # text_encoder's max_batch_size
 
 tokenizer = TextTokenizer.served(REPOSITORY / "text_tokenizer")
 runner = OnnxBatchRunner(REPOSITORY / "text_encoder" / "1" / "model.onnx", intra_op_threads=THREADS,
-                         output_names=["embedding"],
-                         length_grouping=LengthGrouping("attention_mask", max_batch_tokens=MAX_BATCH_TOKENS))
+                         output_names=["embedding"], length_grouping=LengthGrouping.served(REPOSITORY / "text_encoder"))
 
 
 def embed(requests: list[list[str]]) -> list[np.ndarray]:

@@ -194,3 +194,11 @@ def shm_shortfall(repository: Path, replicas: int = 1, folder: str = SHM_DIR) ->
         return ShmCheck.measure(BuiltManifest.read(repository).shm_bytes or 0, folder, replicas).warning()
     except (OSError, ValueError):
         return None
+
+
+def built_config_parameters(model_dir: Path) -> dict[str, str]:
+    """A built model's config parameters (``model_repository/<model>/config.pbtxt``, as the builder
+    writes it in protobuf text format) as key → string value, without protobuf (the serving stack
+    has none): what an in-process reference needs to run a model as it is served."""
+    text = (Path(model_dir) / "config.pbtxt").read_text()
+    return dict(re.findall(r'key:\s*"([^"]+)"\s*value\s*\{\s*string_value:\s*"([^"]*)"', text))

@@ -208,6 +208,17 @@ class LengthGrouping:
         return runs
 
     @classmethod
+    def served(cls, model_dir: Path) -> "LengthGrouping | None":
+        """The grouping a built model folder serves with (None: it batches equal shapes only)."""
+        import re
+
+        from .layout import built_config_parameters
+
+        if not re.search(r"allow_ragged_batch:\s*true", (Path(model_dir) / "config.pbtxt").read_text()):
+            return None
+        return cls.from_parameters(built_config_parameters(model_dir))
+
+    @classmethod
     def from_parameters(cls, parameters: Mapping[str, str]) -> "LengthGrouping":
         return cls(length_input=parameters.get("length_input") or None,
                    max_batch_tokens=int(parameters.get("max_batch_tokens", cls.max_batch_tokens)))

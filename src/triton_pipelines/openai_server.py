@@ -775,17 +775,12 @@ async def bounded_read(part, limit: int, error) -> bytes:
 def token_counter(model_repository: Path):
     """Real token counts (no padding) of texts as the served ``text_tokenizer`` tokenizes them: its
     own ``tokenizer.json`` and ``max_sequence_length`` (truncation), from the repository."""
-    import re
-
-    from .text import MAX_SEQUENCE_LENGTH, TextTokenizer
+    from .text import TextTokenizer
 
     folder = model_repository / "text_tokenizer"
     if not (folder / "1" / "tokenizer.json").exists():
         return lambda texts: 0
-    found = re.search(r'key:\s*"max_sequence_length"\s*value:\s*\{\s*string_value:\s*"(\d+)"',
-                      (folder / "config.pbtxt").read_text())
-    max_length = int(found.group(1)) if found else MAX_SEQUENCE_LENGTH
-    tokenizer = TextTokenizer(folder / "1" / "tokenizer.json", max_length=max_length, buckets=())
+    tokenizer = TextTokenizer.served(folder)  # padding (buckets or not) is not in the mask's sum
     return lambda texts: int(tokenizer.encode(list(texts)).attention_mask.sum())
 
 

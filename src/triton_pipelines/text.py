@@ -122,12 +122,9 @@ class TextTokenizer:
     def served(cls, model_dir: Path) -> "TextTokenizer":
         """The tokenizer a built ``text_tokenizer`` model folder serves (``model_repository/text_tokenizer``):
         what an in-process reference or baseline must use to tokenize exactly as the served path."""
-        import re
+        from .layout import built_config_parameters
 
-        # the parameters as the builder writes them (text_format); no protobuf in the serving stack
-        config = (Path(model_dir) / "config.pbtxt").read_text()
-        parameters = dict(re.findall(r'key:\s*"([^"]+)"\s*value\s*\{\s*string_value:\s*"([^"]*)"', config))
-        return cls.from_parameters(Path(model_dir) / "1" / "tokenizer.json", parameters)
+        return cls.from_parameters(Path(model_dir) / "1" / "tokenizer.json", built_config_parameters(model_dir))
 
     def _encode_bounded(self, texts: list[str]) -> list:
         """``encode_batch(texts)`` with the cost of a row bounded by the token limit, not its bytes.
