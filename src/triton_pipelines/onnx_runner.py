@@ -132,36 +132,45 @@ class OnnxBatchRunner:
         Outputs go back to each request's rows; sequence outputs at the request's width, zero past
         each row's own length."""
         grouping = self.length_grouping
-        widths = [request[self.input_names[0]].shape[1] for request in requests]
-        counts = [request[self.input_names[0]].shape[0] for request in requests]
-        lengths = np.concatenate([grouping.row_lengths(request, width) for request, width in zip(requests, widths)])
-        owners = np.repeat(np.arange(len(requests)), counts)  # row → its request
-        rows = np.concatenate([np.arange(count) for count in counts])  # row → its index there
-        results = [{} for _ in requests]
+        first = self.input_names[0]
+        widths = [request[first].shape[1] for request in requests]
+        counts = [request[first].shape[0] for request in requests]
+        offsets = np.cumsum([0] + counts)
+        # Every input once as one [rows, widest, ...] array (zero past each request's width): a run
+        # is then one gather of its rows, cut to its longest.
+        widest = max(widths)
+        stacked = {}
+        for name in self.input_names:
+            if len(requests) == 1:
+                stacked[name] = requests[0][name]
+                continue
+            value = requests[0][name]
+            stacked[name] = np.zeros((offsets[-1], widest) + value.shape[2:], value.dtype)
+            for request, start, width in zip(requests, offsets, widths):
+                stacked[name][start:start + len(request[name]), :width] = request[name]
+        if grouping.length_input in stacked:
+            lengths = grouping.row_lengths(stacked, widest)
+        else:
+            lengths = np.repeat(np.asarray(widths, dtype=np.int64), counts)
+        gathered: dict[str, np.ndarray] = {}
         for run in grouping.runs(lengths):
             longest = int(lengths[run].max())
-            feeds = {}
-            for name in self.input_names:
-                parts = []
-                for row in run:
-                    array = requests[owners[row]][name][rows[row]]
-                    parts.append(array[:longest] if array.shape[0] >= longest else
-                                 np.pad(array, [(0, longest - array.shape[0])] + [(0, 0)] * (array.ndim - 1)))
-                feeds[name] = np.stack(parts)
-            outputs = self.session.run(names, feeds)
+            outputs = self.session.run(names, {name: stacked[name][run, :longest] for name in self.input_names})
             for name, out in zip(names, outputs):
-                for position, row in enumerate(run):
-                    owner = owners[row]
-                    target = results[owner].get(name)
-                    if target is None:
-                        shape = (counts[owner],) + ((widths[owner],) + out.shape[2:] if name in self.sequence_outputs
-                                                    else out.shape[1:])
-                        target = results[owner][name] = np.zeros(shape, out.dtype)
-                    if name in self.sequence_outputs:  # the row's own positions; its padding stays 0
-                        target[rows[row], :lengths[row]] = out[position, :lengths[row]]
-                    else:
-                        target[rows[row]] = out[position]
-        return results
+                if name not in gathered:
+                    shape = (len(lengths),) + ((widest,) + out.shape[2:] if name in self.sequence_outputs
+                                               else out.shape[1:])
+                    gathered[name] = np.zeros(shape, out.dtype)
+                if name in self.sequence_outputs:  # the rows' own positions; their padding stays 0
+                    own = np.arange(longest)[None, :] < lengths[run][:, None]
+                    out = np.where(own.reshape(own.shape + (1,) * (out.ndim - 2)), out, 0)
+                    gathered[name][run, :longest] = out
+                else:
+                    gathered[name][run] = out
+        return [{name: (np.ascontiguousarray(value[offsets[i]:offsets[i + 1], :widths[i]])
+                        if name in self.sequence_outputs else value[offsets[i]:offsets[i + 1]])
+                 for name, value in gathered.items()}
+                for i in range(len(requests))]
 
 
 @dataclass(frozen=True)
