@@ -142,8 +142,12 @@ def step_totals(client, model: str) -> dict[str, float]:
 
 def where_time_goes(server, measure) -> tuple[object, list[list]]:
     """Run ``measure()`` and split each step's time per request from Triton's own statistics:
-    queue, compute_input (reading inputs into the stub), compute_infer (the model.py execute),
-    compute_output (the responses back to Triton)."""
+    queue, compute_input (the requests into the stub's shared memory), compute_infer (until the
+    stub's whole response batch is back: the model.py execute and the stub writing its outputs),
+    compute_output (everything after: python_backend r24.10 ``ProcessRequests`` loads each response
+    from shared memory and calls ``TRITONBACKEND_ResponseSend``, and that call runs the ensemble's
+    next hop in place: ``EnsembleContext::ResponseComplete`` → ``ScheduleSteps`` → ``InferAsync``
+    into the next model's batcher, or for the last step the client's response completion)."""
     from triton_pipelines.client import TritonClient
 
     client = TritonClient("http", server.http_url)
@@ -197,7 +201,9 @@ def traffic_section(server, repository: Path, name: str, texts: list[str]) -> tu
                          r.server_compute_ms] for r in rows]),
         "",
         "Where the time goes at concurrency 16 (Triton's per-model statistics, ms per request; each request "
-        "counts the whole execution it was part of, so its share of compute is that over the average batch):",
+        "counts the whole execution it was part of, so its share of compute is that over the average batch; "
+        "compute_output is not the stub's: it is Triton handing each response on, the ensemble's next hop "
+        "or the client's response included, see `where_time_goes`):",
         "",
         markdown_table(["step", "executions", "avg requests per execution", "queue", "compute_input",
                         "compute_infer", "compute_output"], split),
