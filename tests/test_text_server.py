@@ -75,6 +75,26 @@ def test_concurrent_requests_of_different_lengths_share_batches(http_client, tri
     assert (cosines >= 0.9999).all()
 
 
+def test_ragged_batches_of_many_widths_give_every_row_its_own_answer(triton_server, reference):
+    """Ragged batching on the embedded target cuts every row of every request in a batch into runs
+    by length and scatters the answers back: big requests of long rows of every width, sent at the
+    same time as one-text neighbours, must each get their own rows' embeddings, in order."""
+    words = "order delivery refund password invoice account shipping warranty".split()
+    long_texts = [" ".join(words[(i + j) % len(words)] for j in range(3 + (i * 37) % 240)) for i in range(64)]
+    bulk = [long_texts[k::4] + long_texts[:k] for k in range(4)]  # 4 requests of 17-19 rows, all widths
+    short = [f"hello {i}" if i % 2 else f"where is parcel {i}" for i in range(12)]
+    jobs = [("bulk", texts) for texts in bulk] + [("short", [text]) for text in short]
+    clients = [TritonClient("grpc", triton_server.grpc_url) for _ in jobs]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        results = list(pool.map(lambda i: embed(clients[i], jobs[i][1]), range(len(jobs))))
+    for c in clients:
+        c.close()
+    for (_, texts), got in zip(jobs, results):
+        assert got.shape == (len(texts), 384)
+        cosines = (got * reference(texts)).sum(axis=1)
+        assert (cosines >= 0.9999).all(), cosines
+
+
 def test_paraphrase_ranks_closer_than_unrelated_sentence(client):
     anchor, paraphrase, unrelated = embed(client, [
         "How do I reset my password?",
