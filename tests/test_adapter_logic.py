@@ -181,6 +181,22 @@ def test_compute_model_computes_and_answers_only_the_requested_outputs():
     assert [list(r) for r in model.run([work, work], [["z"], ["z"]])] == [["z"], ["z"]] and runner.asked == [["z"]]
 
 
+def test_compute_model_keeps_a_keyed_callers_state_and_sends_it_only_when_asked():
+    """state_inputs: a keyed run computes the state output (here z for input s) whether or not the
+    request asks for it, keeps it as the key's next s, and answers only what was asked."""
+    runner = FakeRunner()
+    model = EmbeddedComputeModel("m", runner, ["x", "s"], InputCache([], states={"s": "z"}))
+    first = model.feeds({"x": np.ones(2), "s": np.full(2, 5.0)}, {"input_cache_key": "c"})
+    assert [sorted(r) for r in model.run([first], [["y"]])] == [["y"]] and runner.asked == [["y", "z"]]
+    later = model.feeds({"x": np.ones(1)}, {"input_cache_key": "c", "input_cache_rows": "1"})
+    assert later[0]["s"].tolist() == [0.0]  # z of the previous run (x * 0), row 1
+    plain = model.feeds({"x": np.ones(1), "s": np.ones(1)}, {})
+    model.run([plain], [["y"]])
+    assert runner.asked[-1] == ["y"]  # without a key nothing is kept
+    with pytest.raises(InputError, match=r"missing inputs \['s'\]"):
+        model.feeds({"x": np.ones(1)}, {})
+
+
 def test_compute_model_refuses_missing_inputs_and_fails_only_the_failed_run():
     model = EmbeddedComputeModel("m", FakeRunner(fail=True), ["x", "k"], InputCache(["k"]))
     with pytest.raises(InputError, match=r"m: missing inputs \['k'\] \(or an input_cache_key naming them\)"):

@@ -117,3 +117,91 @@ def test_the_builder_flag_puts_the_providers_in_every_embedded_compute_config():
     gpu = model.config("embedded", "tensorrt,cuda,cpu")
     assert gpu.parameters["execution_providers"].string_value == "tensorrt,cuda,cpu"
     assert "execution_providers" not in model.config("gpu", "tensorrt,cuda,cpu").parameters
+
+
+# --- state pairs: an input fed from the previous keyed call's output (the decoder's self K/V) -----
+
+STATES = {"past": "present"}
+
+
+def state(rows: int, length: int, offset: float = 0.0) -> np.ndarray:
+    return np.arange(rows * length, dtype=np.float32).reshape(rows, length) + offset
+
+
+def test_state_is_stored_after_a_run_and_fed_to_the_next_call():
+    cache = InputCache(["k", "v"], states=STATES)
+    first = cache.resolve("slot", {**arrays(3), "past": state(3, 0)})
+    assert first["past"].shape == (3, 0)
+    output = state(3, 1)
+    cache.store_state("slot", {"present": output, "logits": np.zeros(3)})
+    second = cache.resolve("slot", {})
+    assert second["past"] is output  # the run's own output array, no copy
+    np.testing.assert_array_equal(second["k"], arrays(3)["k"])
+    cache.store_state("slot", {"present": state(3, 2)})
+    assert cache.resolve("slot", {})["past"].shape == (3, 2)
+
+
+def test_state_is_cut_to_the_calls_rows_and_stored_with_them():
+    cache = InputCache(["k", "v"], states=STATES)
+    cache.resolve("slot", {**arrays(4), "past": state(4, 0)})
+    cache.store_state("slot", {"present": state(4, 2)})
+    cut = cache.resolve("slot", {}, rows=[1, 3])
+    np.testing.assert_array_equal(cut["past"], state(4, 2)[[1, 3]])
+    np.testing.assert_array_equal(cut["k"], arrays(4)["k"][[1, 3]])
+    cache.store_state("slot", {"present": state(2, 3, offset=100)})  # the run had rows 1 and 3
+    again = cache.resolve("slot", {}, rows=[3])
+    np.testing.assert_array_equal(again["past"], state(2, 3, offset=100)[[1]])
+    cache.store_state("slot", {"present": state(1, 4)})
+    with pytest.raises(InputError, match="not a subset"):
+        cache.resolve("slot", {}, rows=[1])  # left earlier
+
+
+def test_a_state_sent_explicitly_is_used_and_replaces_the_stored_one():
+    cache = InputCache(["k", "v"], states=STATES)
+    cache.resolve("slot", {**arrays(2), "past": state(2, 0)})
+    cache.store_state("slot", {"present": state(2, 1)})
+    explicit = state(2, 5, offset=7)
+    assert cache.resolve("slot", {"past": explicit})["past"] is explicit
+    cache.store_state("slot", {"present": state(2, 6)})
+    assert cache.resolve("slot", {})["past"].shape == (2, 6)
+
+
+def test_a_state_taken_and_not_stored_again_is_not_cached():
+    """A failed run stores no output: the caller's next call is answered NOT_CACHED (and starts again)."""
+    cache = InputCache(["k", "v"], states=STATES)
+    cache.resolve("slot", {**arrays(2), "past": state(2, 0)})
+    with pytest.raises(InputError, match="its state is not cached here"):
+        cache.resolve("slot", {})  # the first run stored nothing
+    cache.resolve("slot", {**arrays(2), "past": state(2, 0)}, rows=[4, 6])  # the caller resends
+    cache.store_state("slot", {"present": state(2, 1)})
+    assert cache.resolve("slot", {}, rows=[6])["past"].shape == (1, 1)
+    with pytest.raises(InputError, match="send \\['past'\\] with the cached inputs"):
+        cache.resolve("slot", arrays(2))
+
+
+def test_state_leaves_with_its_key():
+    cache = InputCache(["k", "v"], max_entries=1, states=STATES)
+    cache.resolve("a", {**arrays(1), "past": state(1, 0)})
+    cache.resolve("b", {**arrays(1), "past": state(1, 0)})
+    cache.store_state("a", {"present": state(1, 1)})  # a has left: nothing is stored
+    assert len(cache) == 1
+    with pytest.raises(InputError, match="'a' is not cached here"):
+        cache.resolve("a", {})
+
+
+def test_a_model_with_state_only():
+    cache = InputCache([], states=STATES)
+    assert cache.resolve("slot", {"past": state(2, 0)})["past"].shape == (2, 0)
+    cache.store_state("slot", {"present": state(2, 1)})
+    np.testing.assert_array_equal(cache.resolve("slot", {}, rows=[1])["past"], state(2, 1)[[1]])
+    with pytest.raises(InputError, match="'other': its state is not cached"):
+        cache.resolve("other", {})
+
+
+def test_parse_state_pairs():
+    from triton_pipelines.onnx_runner import parse_state_pairs
+
+    assert parse_state_pairs("past_self_kv=present_self_kv") == {"past_self_kv": "present_self_kv"}
+    assert parse_state_pairs("") == {}
+    with pytest.raises(ValueError, match="input=output"):
+        parse_state_pairs("past_self_kv")

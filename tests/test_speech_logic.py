@@ -287,31 +287,71 @@ VOCAB = 51865
 SCRIPTS = {0: [1011, 1012, 1013], 1: [1021], 2: [1031, 1032, 1033, 1034, 1035], 3: [1041]}  # then eot
 
 
-class ScriptedDecoder:
-    """A stand-in decoder step: row r's window is the value of its cross K/V; the position comes
-    from the self-attention cache's length. With ``cache`` it keeps the cross K/V as the embedded
-    runner does (``InputCache``); ``forget_at``: the step at which it loses them (another instance)."""
+STATE = {"past_self_kv": "present_self_kv"}
 
-    def __init__(self, eot, cache=False, forget_at=None):
-        self.eot, self.calls, self.forget_at = eot, [], forget_at
-        self.cache = InputCache(cross_names(1)) if cache else None
+
+class CachingStep:
+    """A stand-in decoder step behind the embedded runner's cache: with ``cache`` it keeps the
+    cross K/V and the self-attention K/V per key as ``EmbeddedComputeModel`` does (``InputCache``
+    with the state pair ``past_self_kv=present_self_kv``); ``forget_at``: the call at which it loses
+    them (another instance, eviction, restart). ``compute(input_ids, past, cross)`` → (logits, present)."""
+
+    def __init__(self, compute, cache=False, forget_at=None):
+        self.compute, self.calls, self.forget_at = compute, [], forget_at
+        self.cache = InputCache(cross_names(1), states=STATE) if cache else None
 
     def __call__(self, input_ids, past, cross, parameters):
-        self.calls.append((len(input_ids), sorted(cross), dict(parameters)))
-        if self.cache is not None:
-            if len(self.calls) == self.forget_at:
-                self.cache = InputCache(cross_names(1))
-            rows = parameters.get("input_cache_rows")
-            try:
-                cross = self.cache.resolve(parameters["input_cache_key"], cross,
-                                           [int(r) for r in rows.split(",")] if rows else None)
-            except InputError as error:
-                raise UpstreamError(f"whisper_decoder failed: {error}") from None
+        self.calls.append((len(input_ids), sorted(cross), dict(parameters), input_ids.shape[1], past is not None))
+        if self.cache is None:
+            return self.compute(input_ids, past, cross)
+        if len(self.calls) == self.forget_at:
+            self.cache = InputCache(cross_names(1), states=STATE)
+        rows, key = parameters.get("input_cache_rows"), parameters["input_cache_key"]
+        given = dict(cross) if past is None else {**cross, "past_self_kv": past}
+        try:
+            feeds = self.cache.resolve(key, given, [int(r) for r in rows.split(",")] if rows else None)
+        except InputError as error:
+            raise UpstreamError(f"whisper_decoder failed: {error}") from None
+        logits, present = self.compute(input_ids, feeds.pop("past_self_kv"), feeds)
+        self.cache.store_state(key, {"logits": logits, "present_self_kv": present})
+        return logits, None  # the caller asked for the logits only
+
+
+class ScriptedDecoder(CachingStep):
+    """Row r's window is the value of its cross K/V; the position comes from the self-attention
+    cache's length."""
+
+    def __init__(self, eot, cache=False, forget_at=None):
+        super().__init__(self.scripted, cache, forget_at)
+        self.eot = eot
+
+    def scripted(self, input_ids, past, cross):
         present = np.concatenate([past, np.zeros((*past.shape[:3], input_ids.shape[1], past.shape[4]),
                                                  np.float32)], axis=3)
         position = present.shape[3] - 4
         windows = cross["cross_key_0"][:, 0, 0, 0].astype(int)
         tokens = [SCRIPTS[w][position] if position < len(SCRIPTS[w]) else self.eot for w in windows]
+        return logits_for(tokens, VOCAB), present
+
+
+class HistoryDecoder(CachingStep):
+    """The next token depends on every token so far (kept in the self-attention cache, one value per
+    position) and on the window (its cross K/V): a decoder that lost its cache and is given the
+    wrong history, or the wrong rows, answers other tokens. Window w stops after 3 + 2 w tokens."""
+
+    def __init__(self, eot, cache=False, forget_at=None):
+        super().__init__(self.history, cache, forget_at)
+        self.eot = eot
+
+    def history(self, input_ids, past, cross):
+        new = np.zeros((*past.shape[:3], input_ids.shape[1], past.shape[4]), np.float32)
+        new[:, 0, 0, :, 0] = input_ids
+        present = np.concatenate([past, new], axis=3)
+        seen = present[:, 0, 0, :, 0].astype(np.int64)  # [rows, positions]: every token so far
+        windows = cross["cross_key_0"][:, 0, 0, 0].astype(int)
+        tokens = [self.eot if seen.shape[1] - 4 >= 3 + 2 * w else
+                  1000 + int((seen[row] * np.arange(1, seen.shape[1] + 1)).sum() % 997) + 7 * w
+                  for row, w in enumerate(windows)]
         return logits_for(tokens, VOCAB), present
 
 
@@ -330,28 +370,61 @@ EXPECTED = [[1011, 1012, 1013], [1021], [1031, 1032, 1033, 1034], [1041]]  # win
 def test_greedy_decoder_sends_only_the_running_windows(tokenizer):
     step = ScriptedDecoder(tokenizer.eot)
     assert decode_scripted(tokenizer, step) == EXPECTED
-    assert [rows for rows, _, _ in step.calls] == [4, 4, 2, 2]
-    assert all(names == cross_names(1) and parameters == {} for _, names, parameters in step.calls)
+    assert [rows for rows, *_ in step.calls] == [4, 4, 2, 2]
+    assert all(names == cross_names(1) and parameters == {} for _, names, parameters, *_ in step.calls)
 
 
 def test_greedy_decoder_without_compaction_keeps_every_row(tokenizer):
     step = ScriptedDecoder(tokenizer.eot)
     assert decode_scripted(tokenizer, step, compact=False) == EXPECTED
-    assert {rows for rows, _, _ in step.calls} == {4}
+    assert {rows for rows, *_ in step.calls} == {4}
 
 
-def test_greedy_decoder_sends_the_cross_kv_once_to_a_caching_decoder(tokenizer):
+def test_greedy_decoder_sends_the_cross_kv_and_past_once_to_a_caching_decoder(tokenizer):
     step = ScriptedDecoder(tokenizer.eot, cache=True)
     assert decode_scripted(tokenizer, step, cache_key="me") == EXPECTED
-    assert step.calls[0][1] == cross_names(1) and all(names == [] for _, names, _ in step.calls[1:])
-    assert [parameters["input_cache_rows"] for _, _, parameters in step.calls] == ["0,1,2,3", "0,1,2,3", "0,2", "0,2"]
-    assert {parameters["input_cache_key"] for _, _, parameters in step.calls} == {"me"}
+    assert step.calls[0][1] == cross_names(1) and all(names == [] for _, names, *_ in step.calls[1:])
+    # the zero-length past on the first step only; later steps send one new token per row
+    assert [(width, past) for *_, width, past in step.calls] == [(4, True), (1, False), (1, False), (1, False)]
+    assert [parameters["input_cache_rows"] for _, _, parameters, *_ in step.calls] == \
+        ["0,1,2,3", "0,1,2,3", "0,2", "0,2"]
+    assert {parameters["input_cache_key"] for _, _, parameters, *_ in step.calls} == {"me"}
 
 
-def test_greedy_decoder_resends_the_running_windows_to_a_decoder_without_them(tokenizer):
+def test_greedy_decoder_starts_the_running_windows_again_on_a_decoder_without_them(tokenizer):
     step = ScriptedDecoder(tokenizer.eot, cache=True, forget_at=3)
     assert decode_scripted(tokenizer, step, cache_key="me") == EXPECTED
-    assert [(rows, names) for rows, names, _ in step.calls[2:4]] == [(2, []), (2, cross_names(1))]
+    # call 3 (rows 0 and 2) is not cached; call 4 sends their cross K/V, a zero-length past and
+    # prompt + the 2 tokens each generated; the next step is incremental again
+    assert [(rows, names, width, past) for rows, names, _, width, past in step.calls[2:]] == \
+        [(2, [], 1, False), (2, cross_names(1), 6, True), (2, [], 1, False)]
+
+
+@pytest.mark.parametrize("forget_at", [2, 3, 4, 99])
+def test_greedy_decoder_recovery_gives_the_tokens_of_the_uncached_path(tokenizer, forget_at):
+    expected = decode_scripted(tokenizer, HistoryDecoder(tokenizer.eot))
+    assert [len(tokens) for tokens in expected] == [3, 4, 4, 4]  # windows 1-3 stop at the bound of 4
+    assert len(set(t for tokens in expected for t in tokens)) > 8
+    step = HistoryDecoder(tokenizer.eot, cache=True, forget_at=forget_at)
+    assert decode_scripted(tokenizer, step, cache_key="me") == expected
+    resent = [index for index, (_, names, *_) in enumerate(step.calls) if names and index > 0]
+    assert resent == ([] if forget_at == 99 else [forget_at])
+
+
+def test_greedy_decoder_with_a_cache_that_keeps_nothing_starts_again_every_step(tokenizer):
+    """input_cache_entries 0: every later step is answered NOT_CACHED and starts again (same tokens)."""
+    expected = decode_scripted(tokenizer, HistoryDecoder(tokenizer.eot))
+    step = HistoryDecoder(tokenizer.eot, cache=True)
+    step.cache = InputCache(cross_names(1), max_entries=0, states=STATE)
+    assert decode_scripted(tokenizer, step, cache_key="me") == expected
+
+
+def test_history_is_prompt_and_tokens_and_pads_finished_rows(tokenizer):
+    state = GreedyBatch(np.array([[1, 2, 3, 4], [5, 6, 7, 8]]), tokenizer.eot, 5, np.zeros(VOCAB, np.float32),
+                        compact=False)
+    state.advance(logits_for([1001, tokenizer.eot], VOCAB))
+    state.advance(logits_for([1002, 1003], VOCAB))
+    assert state.history().tolist() == [[1, 2, 3, 4, 1001, 1002], [5, 6, 7, 8, tokenizer.eot, tokenizer.eot]]
 
 
 def test_greedy_decoder_passes_on_other_decoder_failures(tokenizer):
@@ -422,7 +495,9 @@ def test_gpu_target_defaults_to_large_v3_configs_without_exporting():
     assert [(t.name, t.data_type, list(t.dims)) for t in embedded_inputs] == \
         [(t.name, t.data_type, list(t.dims)) for t in gpu_inputs]
     assert list(embedded_inputs[1].dims) == [12, 8, -1, 64]
-    assert [t.name for t in embedded_inputs if t.optional] == cross_names(6)
+    assert [t.name for t in embedded_inputs if t.optional] == ["past_self_kv", *cross_names(6)]
+    assert base_decoder.config("embedded").parameters["state_inputs"].string_value == "past_self_kv=present_self_kv"
+    assert "state_inputs" not in base_decoder.config("gpu").parameters
     assert not any(t.optional for t in gpu_inputs)
     assert base_decoder.config("embedded").parameters["cached_inputs"].string_value == ",".join(cross_names(6))
     assert pipeline.model_table(gpu)[0]["architecture"].startswith("Whisper large-v3")

@@ -8,7 +8,8 @@ Targets:
   ``gpu_backend`` may instead choose ONNX Runtime with the TensorRT execution accelerator
   (``onnxruntime_trt``) or a TensorRT engine (``tensorrt_plan``, built by ``trtexec_args()``).
 Name, tensors, max batch size and dynamic batching are identical in both (on the embedded target,
-inputs listed in ``embedded_cached_inputs`` are also optional: a BLS caller may name a cached copy).
+inputs listed in ``embedded_cached_inputs`` or ``embedded_state_inputs`` are also optional: a BLS caller
+may name a cached copy, or the state its previous call left).
 """
 
 from __future__ import annotations
@@ -89,6 +90,10 @@ class ComputeModel:
     # (``onnx_runner.InputCache``). They stay in the config with their dims, marked optional, so a
     # caller may send them once and then name them by key instead of copying them on every call.
     embedded_cached_inputs: tuple[str, ...] = ()
+    # embedded target only: state pairs (input, output) the runner keeps per BLS caller's key: a
+    # keyed call that omits the input is fed the output of that caller's previous keyed call
+    # (``onnx_runner.InputCache``, config parameter ``state_inputs``). The inputs are optional there.
+    embedded_state_inputs: tuple[tuple[str, str], ...] = ()
     # embedded target only: ragged batching (``allow_ragged_batch`` on every input). The batcher
     # then merges requests of any sequence length and the runner groups their rows by their own
     # length (``onnx_runner.LengthGrouping``: its ``length_input`` and ``max_batch_tokens`` become
@@ -144,6 +149,16 @@ class ComputeModel:
                 for tensor in config.input:
                     tensor.optional = tensor.name in self.embedded_cached_inputs
                 config.parameters["cached_inputs"].string_value = ",".join(self.embedded_cached_inputs)
+            if self.embedded_state_inputs:
+                unknown = ({i for i, _ in self.embedded_state_inputs} - {t.name for t in self.inputs}) | \
+                          ({o for _, o in self.embedded_state_inputs} - {t.name for t in self.outputs})
+                if unknown:
+                    raise ValueError(f"{self.name}: embedded_state_inputs names unknown tensors {sorted(unknown)}")
+                for tensor in config.input:
+                    if any(tensor.name == name for name, _ in self.embedded_state_inputs):
+                        tensor.optional = True
+                config.parameters["state_inputs"].string_value = ",".join(
+                    f"{name}={output}" for name, output in self.embedded_state_inputs)
             grouping = self.embedded_length_grouping
             if grouping is not None:
                 for tensor in config.input:

@@ -100,6 +100,10 @@ def decoder_model(source: WhisperSource) -> ComputeModel:
         # The cross K/V do not change between the steps of a batch: on the embedded target
         # whisper_decode sends them once per batch instead of copying them into every step.
         embedded_cached_inputs=tuple(cross_names(layers)),
+        # The self-attention K/V: each step's present_self_kv is the next step's past_self_kv. On the
+        # embedded target the runner keeps it per whisper_decode slot instead of sending it back and
+        # forth through both stubs' shared memory every step.
+        embedded_state_inputs=(("past_self_kv", "present_self_kv"),),
     )
 
 
@@ -144,7 +148,8 @@ class SpeechPipeline(Pipeline):
             config.parameters["decoder_layers"].string_value = str(arch["decoder_layers"])
             config.parameters["encoder_max_batch_size"].string_value = str(MAX_ENCODER_BATCH)
             config.parameters["decoder_max_batch_size"].string_value = str(MAX_DECODER_BATCH)
-            # whisper_decoder's embedded runner caches the cross K/V (its embedded_cached_inputs).
+            # whisper_decoder's embedded runner caches the cross K/V (its embedded_cached_inputs) and
+            # keeps the self-attention K/V (its embedded_state_inputs).
             config.parameters["decoder_input_cache"].string_value = str(context.target == "embedded").lower()
 
     def write_assets(self, model_name: str, version_dir: Path, context: BuildContext) -> None:

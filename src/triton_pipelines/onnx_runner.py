@@ -5,7 +5,8 @@ Python-backend model with the same name, tensors and batching as the native one.
 Python backend the dynamic batch as a list of requests; this class runs them as one ONNX Runtime
 call per group of equal trailing shapes, or, with ragged batching, per run of rows of similar
 length (``LengthGrouping``), then splits the outputs back per request. Only the outputs the
-requests asked for are computed and sent.
+requests asked for are computed and sent. A BLS caller may leave inputs and state in the model
+between its calls (``InputCache``: the Whisper decoder's cross K/V and self-attention K/V).
 """
 
 from __future__ import annotations
@@ -239,37 +240,57 @@ NOT_CACHED = "is not cached here"
 
 
 class InputCache:
-    """Inputs a caller sends once and then names by key, for the embedded target's compute models.
+    """Inputs a caller sends once and then names by key, and state a model keeps between a caller's
+    calls, for the embedded target's compute models.
 
     On the embedded target every BLS call copies its input tensors from the caller's stub into the
-    callee's stub (both Python-backend processes). For the Whisper decoder that is the cross-attention
-    K/V (tiny: 18 MB per window) on every greedy step, for tensors that do not change between steps.
-    With a cache, the first step carries them with a key; later steps carry only the key, plus the
-    rows still running (the caller's row numbers, a subset of the stored ones, ascending).
-    The cache belongs to one model instance: with several, a step may reach one that does not hold
-    the key, and the caller sends the inputs again (``NOT_CACHED``).
+    callee's stub (both Python-backend processes), and its output tensors back. For the Whisper
+    decoder that is the cross-attention K/V (37 MB per window for base) on every greedy step, for
+    tensors that do not change between steps, and the self-attention K/V that grow by one position
+    per step (``past_self_kv`` in, ``present_self_kv`` out: up to 11 MB per window for base).
+
+    Cached inputs (``names``): the first call carries them with a key; later calls carry only the
+    key, plus the rows still running (the caller's row numbers, a subset of the stored ones,
+    ascending).
+
+    State pairs (``states``: input → output, e.g. ``past_self_kv`` → ``present_self_kv``): a keyed
+    call that omits the state input gets the key's stored state, cut to its rows as the cached
+    inputs are; a keyed call that sends it (a first step: zero length) uses what it sends. Either
+    way, after the run the model stores the run's output as the key's next state, with the run's
+    rows (``store_state``: ORT's output array itself, no copy). A key is one caller's slot, used by
+    one call at a time (a greedy loop): the state a call takes out is the one its previous call
+    left.
+
+    The cache belongs to one model instance: with several, a call may reach one that does not hold
+    the key (or its state), and the caller sends the inputs again (``NOT_CACHED``).
 
     A key names a caller's slot, not one call: storing under a key replaces what was there, so a
     caller that decodes one batch at a time holds at most one entry. At most ``max_entries`` keys
-    are kept (least recently used first out)."""
+    are kept (least recently used first out). What one key holds at most: its rows' cached inputs
+    and one state of those rows (for the Whisper decoder: rows × (37 MB of cross K/V + 448
+    positions × 24 KB of self K/V = 11 MB) for base, at most 64 rows, the decoder's max batch)."""
 
-    def __init__(self, names: Sequence[str], max_entries: int = 8):
+    def __init__(self, names: Sequence[str], max_entries: int = 8, states: Mapping[str, str] | None = None):
         self.names = tuple(names)
+        self.states = dict(states or {})
         self.max_entries = max_entries
-        self._entries: dict[str, tuple[np.ndarray, dict[str, np.ndarray]]] = {}
+        self._entries: dict[str, _CacheEntry] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def resolve(self, key: str, given: Mapping[str, np.ndarray], rows: Sequence[int] | None = None
                 ) -> dict[str, np.ndarray]:
-        """The cached inputs for this call. With ``given`` (all cached names present): store them
-        under ``key`` (``rows``: the caller's numbers for their rows, default 0..n-1) and return
-        them. Without: the stored arrays for ``key``, cut to ``rows``. Raises InputError for a
-        partial set, an unknown key (message contains ``NOT_CACHED``) or rows that were not stored."""
+        """The cached inputs and state for this call. With ``given`` (all cached names present):
+        store them under ``key`` (``rows``: the caller's numbers for their rows, default 0..n-1) and
+        return them. Without: the stored arrays for ``key``, cut to ``rows``. The state inputs
+        likewise: given ones are used, else the key's stored state is taken out, cut to ``rows``.
+        Raises InputError for a partial set, an unknown key or a key without stored state (message
+        contains ``NOT_CACHED``) or rows that were not stored."""
         wanted = None if rows is None else np.asarray(rows, dtype=np.int64)
         if wanted is not None and (wanted.size == 0 or np.any(np.diff(wanted) <= 0)):
             raise InputError(f"input cache key {key!r}: rows {wanted.tolist()} are not ascending and non-empty")
+        result: dict[str, np.ndarray] = {}
         present = [name for name in self.names if name in given]
         if present:
             if len(present) != len(self.names):
@@ -280,28 +301,100 @@ class InputCache:
                 raise InputError(f"input cache key {key!r}: {len(wanted)} rows named for {count} rows sent")
             self._entries.pop(key, None)  # free the slot's previous batch before copying this one
             arrays = {name: np.array(given[name], copy=True) for name in self.names}
-            self._store(key, np.arange(count) if wanted is None else wanted, arrays)
-            return arrays
-        if key not in self._entries:
-            raise InputError(f"input cache key {key!r} {NOT_CACHED}: send {list(self.names)} with it first")
-        stored_rows, arrays = self._entries.pop(key)
-        self._entries[key] = (stored_rows, arrays)  # most recently used last
-        if wanted is None or (len(wanted) == len(stored_rows) and np.array_equal(wanted, stored_rows)):
-            return arrays
-        if not np.isin(wanted, stored_rows).all():
-            raise InputError(f"input cache key {key!r}: rows {wanted.tolist()} are not a subset of "
-                             f"the cached rows {stored_rows.tolist()}")
-        positions = np.searchsorted(stored_rows, wanted)
-        # Finished rows leave for good: keep only the running ones (the gather happens once).
-        arrays = {name: np.ascontiguousarray(value[positions]) for name, value in arrays.items()}
-        self._store(key, wanted, arrays)
-        return arrays
+            entry = _CacheEntry(np.arange(count) if wanted is None else wanted, arrays)
+            self._store(key, entry)
+            result.update(arrays)
+        elif self.names:
+            if key not in self._entries:
+                raise InputError(f"input cache key {key!r} {NOT_CACHED}: send {list(self.names)} with it first")
+            entry = self._entries.pop(key)
+            self._entries[key] = entry  # most recently used last
+            if not (wanted is None or (len(wanted) == len(entry.rows) and np.array_equal(wanted, entry.rows))):
+                positions = _positions(key, entry.rows, wanted, "cached rows")
+                # Finished rows leave for good: keep only the running ones (the gather happens once).
+                entry.arrays = {name: np.ascontiguousarray(value[positions]) for name, value in entry.arrays.items()}
+                entry.rows = wanted
+            result.update(entry.arrays)
+        else:  # a model with state only
+            entry = self._entries.pop(key, None) or _CacheEntry(np.arange(0), {})
+            self._store(key, entry)
+        if self.states:
+            result.update(self._take_state(key, entry, given, wanted, bool(present)))
+        return result
 
-    def _store(self, key: str, rows: np.ndarray, arrays: dict[str, np.ndarray]) -> None:
+    def _take_state(self, key: str, entry: "_CacheEntry", given: Mapping[str, np.ndarray],
+                    wanted: np.ndarray | None, fresh: bool) -> dict[str, np.ndarray]:
+        sent = [name for name in self.states if name in given]
+        if sent:
+            if len(sent) != len(self.states):
+                missing = sorted(set(self.states) - set(sent))
+                raise InputError(f"input cache key {key!r}: send all state inputs or none; missing {missing}")
+            count = len(given[sent[0]])
+            if wanted is not None and len(wanted) != count:
+                raise InputError(f"input cache key {key!r}: {len(wanted)} rows named for {count} state rows sent")
+            entry.state, entry.state_rows = None, None  # replaced by this run's output
+            entry.pending = np.arange(count) if wanted is None else wanted
+            return {name: given[name] for name in self.states}
+        if fresh:
+            raise InputError(f"input cache key {key!r}: send {list(self.states)} with the cached inputs")
+        if entry.state is None:
+            raise InputError(f"input cache key {key!r}: its state {NOT_CACHED}: send {list(self.states)} with it")
+        state, stored = entry.state, entry.state_rows
+        # Taken out: until this call's run stores its output, the key has no state (a failed run
+        # leaves none, and the caller's next call starts again).
+        entry.state, entry.state_rows = None, None
+        if wanted is None or (len(wanted) == len(stored) and np.array_equal(wanted, stored)):
+            entry.pending = stored
+            return state
+        positions = _positions(key, stored, wanted, "rows of its state")
+        entry.pending = wanted
+        return {name: np.ascontiguousarray(value[positions]) for name, value in state.items()}
+
+    def store_state(self, key: str, outputs: Mapping[str, np.ndarray]) -> None:
+        """After a keyed run: its state outputs (``outputs`` by output name) become the key's state,
+        with the rows that run had. Nothing when the key has left the cache meanwhile."""
+        entry = self._entries.get(key)
+        if not self.states or entry is None or entry.pending is None:
+            return
+        entry.state = {name: outputs[output] for name, output in self.states.items()}
+        entry.state_rows, entry.pending = entry.pending, None
+
+    def _store(self, key: str, entry: "_CacheEntry") -> None:
         self._entries.pop(key, None)
-        self._entries[key] = (rows, arrays)
+        self._entries[key] = entry
         while len(self._entries) > self.max_entries:
             del self._entries[next(iter(self._entries))]
+
+
+@dataclass
+class _CacheEntry:
+    """One key of an ``InputCache``: the cached inputs of its rows, its state (None: none stored, or
+    taken by the call now running) with the state's rows, and the rows of the call now running."""
+    rows: np.ndarray
+    arrays: dict[str, np.ndarray]
+    state: dict[str, np.ndarray] | None = None
+    state_rows: np.ndarray | None = None
+    pending: np.ndarray | None = None
+
+
+def _positions(key: str, stored: np.ndarray, wanted: np.ndarray, what: str) -> np.ndarray:
+    if not np.isin(wanted, stored).all():
+        raise InputError(f"input cache key {key!r}: rows {wanted.tolist()} are not a subset of "
+                         f"the {what} {stored.tolist()}")
+    return np.searchsorted(stored, wanted)
+
+
+def parse_state_pairs(text: str) -> dict[str, str]:
+    """``"past_self_kv=present_self_kv"`` (config parameter ``state_inputs``, comma-separated pairs)
+    → ``{"past_self_kv": "present_self_kv"}``."""
+    pairs = {}
+    for item in (part.strip() for part in text.split(",")):
+        if item:
+            name, _, output = item.partition("=")
+            if not name.strip() or not output.strip():
+                raise ValueError(f"state_inputs: {item!r} is not input=output")
+            pairs[name.strip()] = output.strip()
+    return pairs
 
 
 def parse_rows(text: str) -> list[int]:
@@ -319,8 +412,10 @@ class EmbeddedComputeModel:
 
     Config parameter ``cached_inputs`` (comma-separated, optional): inputs a BLS caller may send once
     with the request parameter ``input_cache_key`` and then omit, naming the key (and, with
-    ``input_cache_rows``, the rows still wanted); ``input_cache_entries`` (default 8) bounds the keys
-    kept. See ``InputCache``."""
+    ``input_cache_rows``, the rows still wanted); ``state_inputs`` (comma-separated
+    ``input=output`` pairs, optional): inputs a keyed caller may omit to be fed the output of its
+    previous keyed call (the runner computes and keeps that output whether or not the request asks
+    for it); ``input_cache_entries`` (default 8) bounds the keys kept. See ``InputCache``."""
 
     def __init__(self, name: str, runner: OnnxBatchRunner, input_names: Sequence[str],
                  cache: InputCache | None = None):
@@ -344,7 +439,9 @@ class EmbeddedComputeModel:
             spin_wait=parameters.get("intra_op_spin_wait", "true") == "true",
         )
         cached = [input_name for input_name in parameters.get("cached_inputs", "").split(",") if input_name]
-        cache = InputCache(cached, int(parameters.get("input_cache_entries", "8"))) if cached else None
+        states = parse_state_pairs(parameters.get("state_inputs", ""))
+        cache = (InputCache(cached, int(parameters.get("input_cache_entries", "8")), states)
+                 if cached or states else None)
         return cls(name, runner, [i["name"] for i in config["input"]], cache)
 
     def feeds(self, given: Mapping[str, np.ndarray], parameters: Mapping) -> tuple[dict[str, np.ndarray], str | None]:
@@ -368,19 +465,27 @@ class EmbeddedComputeModel:
         ``wanted[i]``: the outputs request i asked for (Triton's ``requested_output_names``; None or
         empty: all); a run computes the union of its requests' and answers each with its own.
         Requests without a cache key run as one batch; one with a key runs alone (its cached tensors
-        are its caller's own: copying them into a batch would cost what the cache saves). An ONNX
-        Runtime failure fails the requests of that run only."""
+        are its caller's own: copying them into a batch would cost what the cache saves), computes
+        the cache's state outputs too and leaves them as the key's next state (``InputCache.store_state``).
+        An ONNX Runtime failure fails the requests of that run only (a keyed one then has no state
+        stored: its caller's next call is answered ``NOT_CACHED``)."""
         asked = [list(names) if names else list(self.runner.output_names)
                  for names in (wanted or [None] * len(requests))]
         plain = [index for index, (_, key) in enumerate(requests) if key is None]
         keyed = [[index] for index, (_, key) in enumerate(requests) if key is not None]
         results: list = [None] * len(requests)
+        states = set(self.cache.states.values()) if self.cache is not None else set()
         for group in ([plain] if plain else []) + keyed:
-            names = [name for name in self.runner.output_names if any(name in asked[index] for index in group)]
+            key = requests[group[0]][1]
+            names = [name for name in self.runner.output_names
+                     if any(name in asked[index] for index in group) or (key is not None and name in states)]
             try:
                 outputs = self.runner.run([requests[index][0] for index in group], names)
             except Exception as error:  # fails these requests, not the server
                 outputs = [RuntimeError(f"{self.name}: ONNX Runtime failed: {error}")] * len(group)
+            else:
+                if key is not None and states:
+                    self.cache.store_state(key, outputs[0])
             for index, output in zip(group, outputs):
                 results[index] = output if isinstance(output, Exception) else {
                     name: array for name, array in output.items() if name in asked[index]}

@@ -8,7 +8,8 @@ reference); the Triton models ``audio_features`` and ``whisper_decode`` are thin
 Greedy decoding (``GreedyDecoder``, token selection in ``GreedyBatch``) is the same loop in Triton
 (one BLS call to ``whisper_decoder`` per step) and in process (``WhisperOnnx.decode_windows``): every window starts from
 the prompt ``<|startoftranscript|><|lang|><|task|><|notimestamps|>``; each step feeds the new
-tokens and the self-attention cache, takes the argmax over the text tokens plus
+tokens and the self-attention cache (on the embedded target the decoder keeps that cache between
+steps, and the cross K/V: ``GreedyDecoder``'s ``cache_key``), takes the argmax over the text tokens plus
 ``<|endoftext|>`` with Whisper's standard suppression (every other special token, the non-speech
 symbols, and a blank or ``<|endoftext|>`` as the first token: what openai-whisper, faster-whisper
 and transformers do by default), and a window leaves the batch at ``<|endoftext|>`` or after
@@ -389,6 +390,20 @@ class GreedyBatch:
         """Finish these windows now (their client has gone): they leave the batch at the next step."""
         self._finished[list(windows)] = True
 
+    def history(self) -> np.ndarray:
+        """Every row's input so far, ``[rows, prompt + steps]``: its prompt and the tokens it
+        generated (the last one is its ``next_ids``), for a decoder that lost the row's
+        self-attention cache and computes it again from the start. A running row has generated one
+        token per step; a finished row still in the batch (``compact=False``, or stopped since the
+        last step) is padded with ``<|endoftext|>`` (its logits are ignored)."""
+        ids = []
+        for window in self.active:
+            generated = self.tokens[window]
+            if len(generated) != self.steps and not self._finished[window]:
+                raise RuntimeError(f"window {window} has {len(generated)} tokens after {self.steps} steps")
+            ids.append([*self.prompts[window], *generated, *[self.eot] * (self.steps - len(generated))])
+        return np.array(ids, dtype=np.int64)
+
     def advance(self, logits: np.ndarray) -> np.ndarray | None:
         mask = self.begin_mask if self.steps == 0 and self.begin_mask is not None else self.mask
         chosen = np.argmax(logits + mask, axis=-1).astype(np.int64)
@@ -421,8 +436,12 @@ def cross_names(layers: int) -> list[str]:
 
 # One decoder step: (input_ids [rows, T], past_self_kv, cross K/V by name, request parameters) →
 # (logits [rows, vocab], present_self_kv) as numpy. The cross K/V are the caller's tensors
-# (numpy in process, Triton tensors in whisper_decode): the loop only hands them on.
-DecoderStep = Callable[[np.ndarray, np.ndarray, Mapping[str, Any], Mapping[str, str]], tuple[np.ndarray, np.ndarray]]
+# (numpy in process, Triton tensors in whisper_decode): the loop only hands them on. With an
+# ``input_cache_key`` in the parameters the decoder keeps the self-attention K/V: past_self_kv is
+# None where the step sends none (the decoder's own), and the step asks only for the logits
+# (present_self_kv: None).
+DecoderStep = Callable[[np.ndarray, np.ndarray | None, Mapping[str, Any], Mapping[str, str]],
+                       tuple[np.ndarray, np.ndarray | None]]
 # The given rows of cross K/V tensors, as tensors of the same kind.
 GatherRows = Callable[[Mapping[str, Any], np.ndarray], Mapping[str, Any]]
 
@@ -436,12 +455,18 @@ class GreedyDecoder:
     ``whisper_decode`` (each step a BLS call to ``whisper_decoder``) and the in-process reference
     ``WhisperOnnx`` (each step an ONNX Runtime run): token selection is ``GreedyBatch``.
 
-    ``cache_key``: the decoder keeps the cross K/V of the current group under this key (the embedded
-    target: ``onnx_runner.InputCache``). The first step sends them with the key, later steps send
-    only the key and the windows still running (request parameters ``input_cache_key`` and
-    ``input_cache_rows``); a step that reaches a decoder instance without them (another instance,
-    or an evicted slot: ``onnx_runner.NOT_CACHED`` in an ``UpstreamError``) sends the running
-    windows' K/V again. Without a key every step sends the cross K/V of the running windows."""
+    ``cache_key``: the decoder keeps the cross K/V and the self-attention K/V of the current group
+    under this key (the embedded target: ``onnx_runner.InputCache``, its state pair
+    ``past_self_kv=present_self_kv``). The first step sends the cross K/V and a zero-length
+    ``past_self_kv`` with the key; later steps send only ``input_ids``, the key and the windows
+    still running (request parameters ``input_cache_key`` and ``input_cache_rows``), and ask only
+    for the logits. A step that reaches a decoder instance without them (another instance, an
+    evicted slot, a restart: ``onnx_runner.NOT_CACHED`` in an ``UpstreamError``) starts the
+    running windows again: their cross K/V, a zero-length past and as ``input_ids`` each window's
+    prompt and the tokens it generated so far (``GreedyBatch.history``; the decoder returns the
+    logits of the last position whatever the input length). Without a key (the gpu target) every
+    step sends the cross K/V of the running windows and the self-attention K/V, and gets the
+    new self-attention K/V back."""
 
     def __init__(self, tokenizer: WhisperTokenizer, vocab_size: int, step: DecoderStep,
                  gather: GatherRows = gather_arrays, cache_key: str | None = None):
@@ -459,25 +484,33 @@ class GreedyDecoder:
         K/V whose rows cannot be gathered here (on a GPU). ``on_step(state)``: after every step
         (``state.tokens`` so far, ``state.finished``), e.g. to stream partial transcripts."""
         state = GreedyBatch(prompts, self.eot, max_new_tokens, self.mask, compact=compact, begin_mask=self.begin_mask)
-        # Zero-length self-attention cache on the first step: [rows, 2 * layers, heads, 0, head_dim].
-        past = np.zeros((len(prompts), len(cross), heads, 0, head_dim), np.float32)
+
+        def empty_past(rows: int) -> np.ndarray:  # [rows, 2 * layers, heads, 0, head_dim]
+            return np.zeros((rows, len(cross), heads, 0, head_dim), np.float32)
+
+        past: np.ndarray | None = empty_past(len(prompts))  # first step: zero-length self-attention cache
         sent = cross  # first step: the tensors themselves (a caching decoder stores them)
         while not state.done:
-            parameters = {} if self.cache_key is None else {
-                "input_cache_key": self.cache_key, "input_cache_rows": ",".join(str(w) for w in state.active)}
-            try:
-                logits, present = self.step(state.next_ids, past, sent, parameters)
-            except UpstreamError as error:
-                if self.cache_key is None or NOT_CACHED not in str(error):
-                    raise
-                logits, present = self.step(state.next_ids, past, self.gather(cross, state.active), parameters)
+            if self.cache_key is None:
+                logits, present = self.step(state.next_ids, past, sent, {})
+            else:
+                parameters = {"input_cache_key": self.cache_key,
+                              "input_cache_rows": ",".join(str(w) for w in state.active)}
+                try:
+                    logits, _ = self.step(state.next_ids, past, sent, parameters)
+                except UpstreamError as error:
+                    if NOT_CACHED not in str(error):
+                        raise
+                    logits, _ = self.step(state.history(), empty_past(len(state.active)),
+                                          self.gather(cross, state.active), parameters)
             rows = state.advance(logits)
             if on_step is not None:
                 on_step(state)
+            if self.cache_key is not None:  # the decoder keeps both K/V: later steps send neither
+                past, sent = None, {}
+                continue
             past = present if rows is None else present[rows]
-            if self.cache_key is not None:
-                sent = {}
-            elif rows is not None:
+            if rows is not None:
                 sent = self.gather(sent, rows)
         return state.tokens
 

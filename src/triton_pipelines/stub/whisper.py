@@ -3,9 +3,10 @@ their parameters, the Whisper tokenizer, one encoder pass per group of windows a
 ``whisper_decoder`` call per step (``triton_pipelines.speech.GreedyDecoder``).
 
 The cross-attention K/V do not change between steps: on the gpu target they are passed on as the
-encoder response's own (device) tensors; on the embedded target, where every BLS input is copied
-into the callee's stub, the first step sends them and later steps name the decoder's cached copy
-(``input_cache_key``, this instance's slot)."""
+encoder response's own (device) tensors; on the embedded target, where every BLS input and output
+is copied between the stubs, the first step sends them and later steps name the decoder's cached
+copy (``input_cache_key``, this instance's slot). There the decoder also keeps the self-attention
+K/V between steps: later steps send only the new tokens and get only the logits back."""
 
 from __future__ import annotations
 
@@ -44,7 +45,12 @@ class WhisperBls:
         return self.decoder.decode(prompts, max_new_tokens, cross, heads, head_dim, compact, on_step=on_step)
 
     def step(self, input_ids, past, cross, parameters):
-        inputs = [pb_utils.Tensor("input_ids", input_ids), pb_utils.Tensor("past_self_kv", past), *cross.values()]
-        outputs = call(self.decoder_model, inputs, ["logits", "present_self_kv"], cpu_outputs=True,
-                       parameters=parameters)
-        return outputs["logits"].as_numpy(), outputs["present_self_kv"].as_numpy()
+        """One decoder call (``speech.DecoderStep``): with an ``input_cache_key`` the decoder keeps
+        present_self_kv, so only the logits come back (and ``past`` None is not sent)."""
+        inputs = [pb_utils.Tensor("input_ids", input_ids), *cross.values()]
+        if past is not None:
+            inputs.insert(1, pb_utils.Tensor("past_self_kv", past))
+        keeps_state = "input_cache_key" in parameters
+        outputs = call(self.decoder_model, inputs, ["logits"] if keeps_state else ["logits", "present_self_kv"],
+                       cpu_outputs=True, parameters=parameters)
+        return outputs["logits"].as_numpy(), None if keeps_state else outputs["present_self_kv"].as_numpy()
