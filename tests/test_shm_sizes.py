@@ -42,6 +42,22 @@ def test_whisper_decode_holds_its_bls_calls():
     assert "whisper_decoder" not in gpu  # native backend on the gpu target: no stub
 
 
+def test_the_self_attention_kv_the_decoder_keeps_is_not_planned_in_the_callers_region():
+    """Embedded: whisper_decoder keeps the self-attention K/V between a keyed caller's steps
+    (``state_inputs``), so whisper_decode's region holds the decoder step's other tensors only."""
+    from repo_builder.plan import _shm_region, _tensor_bytes, bls_calls, kept_in_callee, stub_region_bytes
+
+    built = Repository(ensure_repository())
+    configs = built.configs()
+    caller, callee = configs["whisper_decode"], configs["whisper_decoder"]
+    assert kept_in_callee(caller, callee) == {"past_self_kv": 0, "present_self_kv": 0}
+    (encoder, windows, _), (_, rows, bounds) = bls_calls(caller)
+    without_state = (_tensor_bytes(caller, caller.max_batch_size, {}) + _tensor_bytes(configs[encoder], windows, {})
+                     + _tensor_bytes(callee, rows, bounds | {"past_self_kv": 0, "present_self_kv": 0}))
+    assert stub_region_bytes(caller, configs, {}) == _shm_region(without_state)
+    assert kept_in_callee(configs["whisper_encoder"], callee) == {}  # a caller that does not key its calls
+
+
 def test_committed_sizes_hold_the_default_builds():
     needs = {target: sum(planned(target).values()) for target in ("gpu", "embedded")}
     compose = (PROJECT_ROOT / "docker-compose.yml").read_text()

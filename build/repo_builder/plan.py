@@ -367,7 +367,8 @@ def bls_calls(config: mc.ModelConfig) -> list[tuple[str, int, dict[str, int]]]:
     their variable dims, from its parameters: their inputs and outputs cross the caller's own
     shared-memory region too. whisper_decode (and its variants): one encoder call per
     ``encoder_max_batch_size`` windows; each decoder step for the windows decoded together, grouped
-    as whisper_decode/model.py does, its self-attention K/V up to Whisper's 448 positions."""
+    as whisper_decode/model.py does, its self-attention K/V up to Whisper's 448 positions (unless
+    the decoder keeps them: ``kept_in_callee``)."""
     from triton_pipelines.speech import MAX_TARGET_POSITIONS
 
     p = {key: value.string_value for key, value in config.parameters.items()}
@@ -384,8 +385,21 @@ def stub_region_bytes(config: mc.ModelConfig, configs: dict[str, mc.ModelConfig]
     plus those of its BLS calls at their row counts (``shm-growth-byte-size`` steps)."""
     io = _tensor_bytes(config, max(1, config.max_batch_size), bounds.get(config.name, {}))
     for callee, rows, callee_bounds in bls_calls(config):
-        io += _tensor_bytes(configs[callee], rows, callee_bounds)
+        io += _tensor_bytes(configs[callee], rows, callee_bounds | kept_in_callee(config, configs[callee]))
     return _shm_region(io)
+
+
+def kept_in_callee(caller: mc.ModelConfig, callee: mc.ModelConfig) -> dict[str, int]:
+    """The callee's state pairs (its ``state_inputs``: the Whisper decoder's self-attention K/V on the
+    embedded target) as bounds of 0, when the caller keys its calls (``decoder_input_cache``): the
+    callee keeps them between the calls, so they never cross the caller's region (the first call's
+    state is zero-length)."""
+    from triton_pipelines.onnx_runner import parse_state_pairs
+
+    parameter = lambda config, key: config.parameters[key].string_value if key in config.parameters else ""  # noqa: E731
+    if parameter(caller, "decoder_input_cache") != "true":
+        return {}
+    return {name: 0 for pair in parse_state_pairs(parameter(callee, "state_inputs")).items() for name in pair}
 
 
 def config_versions(config: mc.ModelConfig) -> int:

@@ -30,7 +30,11 @@ from .pipeline import BuildContext, Pipeline
 # target, random large-v3 on the gpu target.
 PRETRAINED = "pretrained-base"
 DEFAULT_WEIGHTS = {"embedded": PRETRAINED, "gpu": "large-v3"}
-MAX_ENCODER_BATCH = 8
+# whisper_encoder's max batch per target. Embedded (ONNX Runtime on the CPU): 4, because its arena
+# grows with the largest batch it has run, and on 2 cores 8 windows at once are no faster than 4
+# (96 requests at 16 in flight, 3 back-to-back pairs: 2.51 against 2.36 audio s/s, within batch 8's
+# own spread of 2.32-2.71) while the stub held 2.2-2.5 GB PSS against 1.2 GB. gpu: 8.
+MAX_ENCODER_BATCH = {"embedded": 4, "gpu": 8}
 MAX_DECODER_BATCH = 64
 # whisper_decode drives the Whisper models through BLS, one batch at a time: their own queue delay
 # would only add latency to every decoding step. The throughput class batches in the loop instead:
@@ -69,13 +73,13 @@ def cross_attention_specs(arch: dict) -> tuple[TensorSpec, ...]:
     return tuple(specs)
 
 
-def encoder_model(source: WhisperSource) -> ComputeModel:
+def encoder_model(source: WhisperSource, target: str) -> ComputeModel:
     arch = whisper_config_dict(source)
     return ComputeModel(
         name="whisper_encoder",
         inputs=(TensorSpec("input_features", "TYPE_FP32", (arch["num_mel_bins"], N_FRAMES)),),
         outputs=cross_attention_specs(arch),
-        max_batch_size=MAX_ENCODER_BATCH,
+        max_batch_size=MAX_ENCODER_BATCH[target],
         export_onnx=partial(export_encoder, source),
         source_key=source.key(),
         latency_variants=(),
@@ -134,7 +138,7 @@ class SpeechPipeline(Pipeline):
 
     def compute_models(self, context: BuildContext) -> list[ComputeModel]:
         source = self.source(context)
-        return [encoder_model(source), decoder_model(source)]
+        return [encoder_model(source, context.target), decoder_model(source)]
 
     def patch_config(self, config: mc.ModelConfig, context: BuildContext) -> None:
         arch = self.architecture(context)
@@ -146,7 +150,7 @@ class SpeechPipeline(Pipeline):
         if config.name in ("whisper_decode", "speech_recognition_stream"):
             config.parameters["vocab_size"].string_value = str(arch["vocab_size"])
             config.parameters["decoder_layers"].string_value = str(arch["decoder_layers"])
-            config.parameters["encoder_max_batch_size"].string_value = str(MAX_ENCODER_BATCH)
+            config.parameters["encoder_max_batch_size"].string_value = str(MAX_ENCODER_BATCH[context.target])
             config.parameters["decoder_max_batch_size"].string_value = str(MAX_DECODER_BATCH)
             # whisper_decoder's embedded runner caches the cross K/V (its embedded_cached_inputs) and
             # keeps the self-attention K/V (its embedded_state_inputs).
