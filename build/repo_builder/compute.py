@@ -142,21 +142,19 @@ class ComputeModel:
             config.parameters["intra_op_threads"].string_value = str(self.embedded_cpu_threads)
             if execution_providers != "cpu":
                 config.parameters["execution_providers"].string_value = execution_providers
+            # Inputs a keyed BLS caller may leave out: cached copies and state (onnx_runner.InputCache).
+            state_inputs = [name for name, _ in self.embedded_state_inputs]
+            unknown = (set(self.embedded_cached_inputs + tuple(state_inputs)) - {t.name for t in self.inputs}) | \
+                      ({output for _, output in self.embedded_state_inputs} - {t.name for t in self.outputs})
+            if unknown:
+                raise ValueError(f"{self.name}: embedded_cached_inputs/embedded_state_inputs name unknown "
+                                 f"tensors {sorted(unknown)}")
+            for tensor in config.input:
+                if tensor.name in self.embedded_cached_inputs or tensor.name in state_inputs:
+                    tensor.optional = True
             if self.embedded_cached_inputs:
-                unknown = set(self.embedded_cached_inputs) - {t.name for t in self.inputs}
-                if unknown:
-                    raise ValueError(f"{self.name}: embedded_cached_inputs names unknown inputs {sorted(unknown)}")
-                for tensor in config.input:
-                    tensor.optional = tensor.name in self.embedded_cached_inputs
                 config.parameters["cached_inputs"].string_value = ",".join(self.embedded_cached_inputs)
             if self.embedded_state_inputs:
-                unknown = ({i for i, _ in self.embedded_state_inputs} - {t.name for t in self.inputs}) | \
-                          ({o for _, o in self.embedded_state_inputs} - {t.name for t in self.outputs})
-                if unknown:
-                    raise ValueError(f"{self.name}: embedded_state_inputs names unknown tensors {sorted(unknown)}")
-                for tensor in config.input:
-                    if any(tensor.name == name for name, _ in self.embedded_state_inputs):
-                        tensor.optional = True
                 config.parameters["state_inputs"].string_value = ",".join(
                     f"{name}={output}" for name, output in self.embedded_state_inputs)
             grouping = self.embedded_length_grouping

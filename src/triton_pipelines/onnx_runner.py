@@ -423,6 +423,8 @@ class EmbeddedComputeModel:
         self.runner = runner
         self.input_names = list(input_names)
         self.cache = cache
+        # Outputs a keyed run always computes: the next state of its caller's key.
+        self.state_outputs = set(cache.states.values()) if cache is not None else set()
 
     @classmethod
     def from_config(cls, name: str, config: Mapping, parameters: Mapping[str, str], version_dir: Path
@@ -474,17 +476,16 @@ class EmbeddedComputeModel:
         plain = [index for index, (_, key) in enumerate(requests) if key is None]
         keyed = [[index] for index, (_, key) in enumerate(requests) if key is not None]
         results: list = [None] * len(requests)
-        states = set(self.cache.states.values()) if self.cache is not None else set()
         for group in ([plain] if plain else []) + keyed:
             key = requests[group[0]][1]
             names = [name for name in self.runner.output_names
-                     if any(name in asked[index] for index in group) or (key is not None and name in states)]
+                     if any(name in asked[index] for index in group) or (key is not None and name in self.state_outputs)]
             try:
                 outputs = self.runner.run([requests[index][0] for index in group], names)
             except Exception as error:  # fails these requests, not the server
                 outputs = [RuntimeError(f"{self.name}: ONNX Runtime failed: {error}")] * len(group)
             else:
-                if key is not None and states:
+                if key is not None and self.state_outputs:
                     self.cache.store_state(key, outputs[0])
             for index, output in zip(group, outputs):
                 results[index] = output if isinstance(output, Exception) else {
