@@ -34,6 +34,33 @@ def test_rows_are_original_row_numbers_and_shrink_for_good():
         cache.resolve("slot", {}, rows=[2])  # left earlier
 
 
+def test_a_keys_next_batch_is_copied_into_its_buffers_not_new_memory():
+    """A fresh allocation of the Whisper decoder's cross K/V (37 MB per window) is pages the kernel
+    must fault in; the key's next batch refills the buffers it already holds when they have room."""
+    cache = InputCache(["k", "v"])
+    first = cache.resolve("slot", arrays(4))
+    smaller = cache.resolve("slot", arrays(3, offset=5))
+    assert np.shares_memory(smaller["k"], first["k"]) and np.shares_memory(smaller["v"], first["v"])
+    np.testing.assert_array_equal(smaller["k"], arrays(3, offset=5)["k"])
+    np.testing.assert_array_equal(cache.resolve("slot", {})["v"], arrays(3, offset=5)["v"])
+    assert smaller["k"].flags.c_contiguous
+    larger = cache.resolve("slot", arrays(6, offset=9))  # no room: a buffer of its size
+    assert not np.shares_memory(larger["k"], first["k"])
+    np.testing.assert_array_equal(larger["k"], arrays(6, offset=9)["k"])
+    other_shape = cache.resolve("slot", {"k": np.ones((2, 4), np.float32), "v": np.ones((2, 2), np.float32)})
+    assert other_shape["k"].shape == (2, 4)  # another row shape never lands in the old buffer
+
+
+def test_finished_rows_leave_in_place_and_the_running_ones_keep_their_values():
+    cache = InputCache(["k", "v"])
+    full = cache.resolve("slot", arrays(6))
+    for rows in ([0, 2, 3, 5], [2, 5], [5]):
+        cut = cache.resolve("slot", {}, rows=rows)
+        np.testing.assert_array_equal(cut["k"], arrays(6)["k"][rows])
+        np.testing.assert_array_equal(cut["v"], arrays(6)["v"][rows])
+        assert np.shares_memory(cut["k"], full["k"]) and cut["k"].flags.c_contiguous
+
+
 @pytest.mark.parametrize("rows", [[], [1, 0], [0, 0], [7]])
 def test_bad_rows_are_refused(rows):
     cache = InputCache(["k", "v"])

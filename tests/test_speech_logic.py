@@ -450,9 +450,10 @@ def test_decode_jobs_decodes_in_groups_and_regroups_per_item():
     assert groups == [[0, 1], [2, 3], [4]]
 
 
-def test_decode_group_size():
-    assert decode_group_size(64, 8, decoder_caches_cross=True) == 64
-    assert decode_group_size(64, 8, decoder_caches_cross=False) == 8
+def test_a_group_is_one_encoder_calls_worth_on_both_targets():
+    assert decode_group_size(64, 4) == 4  # embedded: no join of several encoder calls
+    assert decode_group_size(64, 8) == 8  # gpu
+    assert decode_group_size(2, 8) == 2
 
 
 def test_transcript_outputs(tokenizer):

@@ -22,6 +22,7 @@ from typing import Callable
 from tritonclient.grpc import model_config_pb2 as mc
 
 from triton_pipelines.onnx_runner import LengthGrouping
+from triton_pipelines.stub.heap import HEAP_KEEP_PARAMETER
 
 TARGETS = ("embedded", "gpu")
 # How the gpu target serves a compute model (``ComputeModel.gpu_backend``).
@@ -100,6 +101,10 @@ class ComputeModel:
     # config parameters). The native onnxruntime backend would concatenate ragged inputs into one
     # flat tensor, which a padded graph cannot take, so the gpu target keeps equal shapes.
     embedded_length_grouping: LengthGrouping | None = None
+    # embedded target only: freed bytes the runner's stub keeps on its heap instead of giving them
+    # back to the kernel (config parameter ``heap_keep_freed_bytes``, ``stub.heap``); 0: glibc's
+    # defaults. For models that allocate large arrays on every request.
+    embedded_heap_keep_freed_bytes: int = 0
     # The largest size of the variable (-1) dimensions this model is sent at the configured limits
     # (a text encoder: the tokenizer's truncation length). The memory planner sizes activations
     # with it; 0: not declared (the planner then needs --sequence-length MODEL=N).
@@ -164,6 +169,8 @@ class ComputeModel:
                 if grouping.length_input:
                     config.parameters["length_input"].string_value = grouping.length_input
                 config.parameters["max_batch_tokens"].string_value = str(grouping.max_batch_tokens)
+            if self.embedded_heap_keep_freed_bytes:
+                config.parameters[HEAP_KEEP_PARAMETER].string_value = str(self.embedded_heap_keep_freed_bytes)
         else:
             self._gpu_backend_config(config)
             config.instance_group.add(kind=mc.ModelInstanceGroup.KIND_GPU, count=self.gpu_instances)

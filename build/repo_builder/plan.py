@@ -366,16 +366,16 @@ def bls_calls(config: mc.ModelConfig) -> list[tuple[str, int, dict[str, int]]]:
     """The models a Python-backend model calls (BLS), the rows one call carries and the bounds of
     their variable dims, from its parameters: their inputs and outputs cross the caller's own
     shared-memory region too. whisper_decode (and its variants): one encoder call per
-    ``encoder_max_batch_size`` windows; each decoder step for the windows decoded together, grouped
-    as whisper_decode/model.py does, its self-attention K/V up to Whisper's 448 positions (unless
+    ``encoder_max_batch_size`` windows; each decoder step for the windows decoded together
+    (``speech.decode_group_size``), its self-attention K/V up to Whisper's 448 positions (unless
     the decoder keeps them: ``kept_in_callee``)."""
-    from triton_pipelines.speech import MAX_TARGET_POSITIONS
+    from triton_pipelines.speech import MAX_TARGET_POSITIONS, decode_group_size
 
     p = {key: value.string_value for key, value in config.parameters.items()}
     if "encoder_model" in p and "decoder_model" in p:
         encoder, decoder = int(p["encoder_max_batch_size"]), int(p["decoder_max_batch_size"])
-        group = decoder if p.get("decoder_input_cache") == "true" else min(decoder, encoder)
-        return [(p["encoder_model"], encoder, {}), (p["decoder_model"], group, {"": MAX_TARGET_POSITIONS})]
+        return [(p["encoder_model"], encoder, {}),
+                (p["decoder_model"], decode_group_size(decoder, encoder), {"": MAX_TARGET_POSITIONS})]
     return []
 
 

@@ -299,11 +299,13 @@ class InputCache:
             count = len(given[self.names[0]])
             if wanted is not None and len(wanted) != count:
                 raise InputError(f"input cache key {key!r}: {len(wanted)} rows named for {count} rows sent")
-            self._entries.pop(key, None)  # free the slot's previous batch before copying this one
-            arrays = {name: np.array(given[name], copy=True) for name in self.names}
-            entry = _CacheEntry(np.arange(count) if wanted is None else wanted, arrays)
+            previous = self._entries.pop(key, None) or _CacheEntry(np.arange(0), {}, {})
+            previous.arrays, previous.state = {}, None  # a buffer too small is freed before its successor
+            buffers = {name: _refill(previous.buffers.pop(name, None), given[name]) for name in self.names}
+            entry = _CacheEntry(np.arange(count) if wanted is None else wanted,
+                                {name: buffer[:count] for name, buffer in buffers.items()}, buffers)
             self._store(key, entry)
-            result.update(arrays)
+            result.update(entry.arrays)
         elif self.names:
             if key not in self._entries:
                 raise InputError(f"input cache key {key!r} {NOT_CACHED}: send {list(self.names)} with it first")
@@ -311,12 +313,13 @@ class InputCache:
             self._entries[key] = entry  # most recently used last
             if not (wanted is None or (len(wanted) == len(entry.rows) and np.array_equal(wanted, entry.rows))):
                 positions = _positions(key, entry.rows, wanted, "cached rows")
-                # Finished rows leave for good: keep only the running ones (the gather happens once).
-                entry.arrays = {name: np.ascontiguousarray(value[positions]) for name, value in entry.arrays.items()}
+                # Finished rows leave for good: the running ones move up within the key's buffers
+                # (once per change of rows), which stay contiguous for ONNX Runtime.
+                entry.arrays = {name: _compact(entry.buffers[name], positions) for name in entry.arrays}
                 entry.rows = wanted
             result.update(entry.arrays)
         else:  # a model with state only
-            entry = self._entries.pop(key, None) or _CacheEntry(np.arange(0), {})
+            entry = self._entries.pop(key, None) or _CacheEntry(np.arange(0), {}, {})
             self._store(key, entry)
         if self.states:
             result.update(self._take_state(key, entry, given, wanted, bool(present)))
@@ -368,13 +371,38 @@ class InputCache:
 
 @dataclass
 class _CacheEntry:
-    """One key of an ``InputCache``: the cached inputs of its rows, its state (None: none stored, or
+    """One key of an ``InputCache``: the cached inputs of its rows (``arrays``: the leading rows of
+    ``buffers``, which the key's next batch refills in place), its state (None: none stored, or
     taken by the call now running) with the state's rows, and the rows of the call now running."""
     rows: np.ndarray
     arrays: dict[str, np.ndarray]
+    buffers: dict[str, np.ndarray]
     state: dict[str, np.ndarray] | None = None
     state_rows: np.ndarray | None = None
     pending: np.ndarray | None = None
+
+
+def _refill(buffer: np.ndarray | None, given: np.ndarray) -> np.ndarray:
+    """``given`` copied into the leading rows of ``buffer`` when it has room (same row shape and
+    dtype), else into a new buffer of its size. Why: a fresh allocation of this size (the Whisper
+    decoder's cross K/V, 37 MB per window) is new pages the kernel must fault in and zero, which on
+    a VM whose freed memory goes back to the host costs ~1 s per 150 MB (docs/speech.md); refilling
+    the key's previous buffer touches memory that is already there."""
+    if (buffer is None or buffer.dtype != given.dtype or buffer.shape[1:] != given.shape[1:]
+            or len(buffer) < len(given)):
+        del buffer  # the last reference: freed before the new one is allocated
+        return np.array(given, copy=True, order="C")
+    np.copyto(buffer[:len(given)], given)
+    return buffer
+
+
+def _compact(buffer: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """Rows ``positions`` (ascending) of ``buffer`` moved to its leading rows, in place → those
+    rows. Each row moves to a lower or equal index, below every row still to move."""
+    for target, source in enumerate(positions.tolist()):
+        if target != source:
+            buffer[target] = buffer[source]
+    return buffer[:len(positions)]
 
 
 def _positions(key: str, stored: np.ndarray, wanted: np.ndarray, what: str) -> np.ndarray:

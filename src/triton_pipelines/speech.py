@@ -602,13 +602,14 @@ def join_transcript(tokenizer: WhisperTokenizer, tokens: Sequence[list[int]]) ->
     return " ".join(text for text in (tokenizer.decode(t).strip() for t in tokens) if text)
 
 
-def decode_group_size(decoder_max_batch: int, encoder_max_batch: int, decoder_caches_cross: bool) -> int:
-    """Windows ``whisper_decode`` decodes together. With the decoder caching the cross K/V (the
-    embedded target): the decoder's whole batch (the encoder's CPU outputs of several calls are
-    joined). Otherwise (the gpu target): one encoder call's worth, so that its device tensors are
-    the decoder's cross K/V as they are (device tensors cannot be joined in Python) and the
-    self-attention K/V crossing the stub's shared memory stay bounded (docs/speech.md)."""
-    return decoder_max_batch if decoder_caches_cross else min(decoder_max_batch, encoder_max_batch)
+def decode_group_size(decoder_max_batch: int, encoder_max_batch: int) -> int:
+    """Windows ``whisper_decode`` decodes together: one encoder call's worth, on both targets. On
+    the gpu target the encoder's outputs are device tensors, handed to the decoder as they are
+    (Python can neither join nor slice them). On the embedded target joining several calls' CPU
+    outputs would buy a larger decoder batch, but the decoder's step costs per window about the
+    same at 4 and 8 windows on a CPU (docs/speech.md), while the join is a fresh copy of 37 MB
+    per window in whisper_decode, and the larger group a larger copy into the decoder's cache."""
+    return min(decoder_max_batch, encoder_max_batch)
 
 
 def decode_jobs(jobs: Sequence[DecodeJob], group_size: int,

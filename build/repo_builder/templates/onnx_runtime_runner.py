@@ -8,14 +8,17 @@ no ONNX Runtime backend). The builder generates the config. Logic, the input cac
 import json
 
 from triton_pipelines.onnx_runner import EmbeddedComputeModel
+from triton_pipelines.stub.heap import keep_freed_heap
 from triton_pipelines.stub.model_args import model_parameters, version_dir
 from triton_pipelines.stub.responses import input_array, request_parameters, respond
 
 
 class TritonPythonModel:
     def initialize(self, args):
+        parameters = model_parameters(args)
+        keep_freed_heap(parameters)
         self.model = EmbeddedComputeModel.from_config(args["model_name"], json.loads(args["model_config"]),
-                                                      model_parameters(args), version_dir(args))
+                                                      parameters, version_dir(args))
 
     def execute(self, requests):
         return respond(requests, self.parse, self.run)

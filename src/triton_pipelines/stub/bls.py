@@ -2,8 +2,8 @@
 
 The router (``call_async``): outputs as numpy, failures as ``RouteError`` with a reason that says
 whose fault it is (``router_service.error_kind``). ``whisper_decode`` (``call``,
-``call_in_batches``, ``gather_rows``): outputs kept as Triton tensors (on the gpu target they may
-live on the GPU and are passed on as they are), failures as ``UpstreamError``."""
+``gather_rows``): outputs kept as Triton tensors (on the gpu target they may live on the GPU and
+are passed on as they are), failures as ``UpstreamError``."""
 
 from __future__ import annotations
 
@@ -71,17 +71,6 @@ def call(model: str, inputs: Sequence, outputs: Sequence[str], cpu_outputs: bool
     if response.has_error():
         raise UpstreamError(f"{model} failed: {response.error().message()}")
     return {tensor.name(): tensor for tensor in response.output_tensors()}
-
-
-def call_in_batches(model: str, name: str, array: np.ndarray, max_batch_size: int, outputs: Sequence[str]) -> dict:
-    """``array`` as input ``name``, one request per ``max_batch_size`` rows → the output tensors,
-    joined on the CPU when it took several requests (else the response's own tensors)."""
-    parts = [call(model, [pb_utils.Tensor(name, array[start:start + max_batch_size])], outputs)
-             for start in range(0, len(array), max_batch_size)]
-    if len(parts) == 1:
-        return parts[0]
-    return {output: pb_utils.Tensor(output, np.concatenate([part[output].as_numpy() for part in parts]))
-            for output in parts[0]}
 
 
 def gather_rows(tensors: Mapping, rows) -> dict:

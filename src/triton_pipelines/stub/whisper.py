@@ -15,19 +15,21 @@ import os
 import triton_python_backend_utils as pb_utils
 
 from ..speech import GreedyDecoder, WhisperTokenizer, cross_names, decode_group_size
-from .bls import call, call_in_batches, gather_rows
+from .bls import call, gather_rows
+from .heap import keep_freed_heap
 from .model_args import model_parameters, version_dir
 
 
 class WhisperBls:
     def __init__(self, args: dict):
         p = self.parameters = model_parameters(args)
+        keep_freed_heap(p)
         self.encoder_model, self.decoder_model = p["encoder_model"], p["decoder_model"]
         self.defaults = {"default_language": p["default_language"], "default_task": p["default_task"],
                          "default_max_new_tokens": int(p["max_new_tokens"])}
         self.encoder_batch = int(p["encoder_max_batch_size"])
         caches_cross = p.get("decoder_input_cache", "false") == "true"
-        self.group_size = decode_group_size(int(p["decoder_max_batch_size"]), self.encoder_batch, caches_cross)
+        self.group_size = decode_group_size(int(p["decoder_max_batch_size"]), self.encoder_batch)
         vocab_size = int(p["vocab_size"])
         self.tokenizer = WhisperTokenizer.for_vocab_size(version_dir(args) / "multilingual.tiktoken", vocab_size)
         self.cross_names = cross_names(int(p["decoder_layers"]))
@@ -36,8 +38,9 @@ class WhisperBls:
         self.decoder = GreedyDecoder(self.tokenizer, vocab_size, self.step, gather_rows, cache_key=key)
 
     def group(self, features, prompts, max_new_tokens, on_step=None):
-        """One group of windows: encoder, then the greedy loop → generated ids per window."""
-        cross = call_in_batches(self.encoder_model, "input_features", features, self.encoder_batch, self.cross_names)
+        """One group of windows (at most one encoder call's worth: ``decode_group_size``): the
+        encoder, then the greedy loop → generated ids per window."""
+        cross = call(self.encoder_model, [pb_utils.Tensor("input_features", features)], self.cross_names)
         _, heads, _, head_dim = cross["cross_value_0"].shape()
         # Finished windows leave the batch when their rows can be gathered here (CPU tensors); with
         # the cross K/V on a GPU they stay in the batch and their tokens are ignored.
