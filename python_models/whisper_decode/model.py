@@ -1,8 +1,8 @@
 """Greedy Whisper decoding driven by BLS calls to ``whisper_encoder`` and ``whisper_decoder``.
 
-All requests of one dynamic batch are decoded together: their windows go through the encoder in
-one call (per ``encoder_max_batch_size``), then every decoder step is one call for all windows
-still running. The cross-attention K/V do not change between steps: on the gpu target they are
+All requests of one dynamic batch are decoded together, one encoder call's worth of windows at a
+time (``encoder_max_batch_size``: ``speech.decode_group_size``): one encoder call per group, then
+every decoder step is one call for the group's windows still running. The cross-attention K/V do not change between steps: on the gpu target they are
 passed on as the encoder response's own (device) tensors; on the embedded target, where every BLS
 input is copied into the callee's stub, the first step sends them and later steps name the
 decoder's cached copy (``input_cache_key``); there the decoder also keeps the self-attention K/V

@@ -268,7 +268,9 @@ class InputCache:
     caller that decodes one batch at a time holds at most one entry. At most ``max_entries`` keys
     are kept (least recently used first out). What one key holds at most: its rows' cached inputs
     and one state of those rows (for the Whisper decoder: rows × (37 MB of cross K/V + 448
-    positions × 24 KB of self K/V = 11 MB) for base, at most 64 rows, the decoder's max batch)."""
+    positions × 24 KB of self K/V = 11 MB) for base; whisper_decode sends a group of at most 4
+    rows on the embedded target, the decoder takes up to its max batch, 64). A key's next batch is
+    copied into the buffers its previous one used when they have room (``_refill``)."""
 
     def __init__(self, names: Sequence[str], max_entries: int = 8, states: Mapping[str, str] | None = None):
         self.names = tuple(names)
