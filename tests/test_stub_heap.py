@@ -57,6 +57,8 @@ def test_absent_or_zero_changes_nothing():
     assert keep_freed_heap({HEAP_KEEP_PARAMETER: "0"}) is None
     with pytest.raises(ValueError):
         keep_freed_heap({HEAP_KEEP_PARAMETER: "lots"})
+    with pytest.raises(ValueError, match="over"):
+        keep_freed_heap({HEAP_KEEP_PARAMETER: str(2**31)})
 
 
 def test_the_builder_writes_it_on_the_embedded_target_only():

@@ -19,14 +19,18 @@ HEAP_KEEP_PARAMETER = "heap_keep_freed_bytes"
 # glibc's malloc.h
 M_TRIM_THRESHOLD = -1
 M_MMAP_MAX = -4
+MAX_KEEP_BYTES = 2**31 - 1
 
 
 def keep_freed_heap(parameters: Mapping[str, str]) -> int | None:
     """Apply the model's ``heap_keep_freed_bytes`` to this process → the bytes kept, None when the
-    parameter is absent or 0. RuntimeError where the C library has no glibc ``mallopt``."""
+    parameter is absent or 0. ValueError for a value that is not an int of at most 2 GiB - 1,
+    RuntimeError where the C library has no glibc ``mallopt``."""
     keep = int(parameters.get(HEAP_KEEP_PARAMETER) or 0)
     if keep <= 0:
         return None
+    if keep > MAX_KEEP_BYTES:  # mallopt takes an int
+        raise ValueError(f"{HEAP_KEEP_PARAMETER}: {keep} is over {MAX_KEEP_BYTES}")
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     mallopt = getattr(libc, "mallopt", None)
     if mallopt is None or not (mallopt(M_MMAP_MAX, 0) and mallopt(M_TRIM_THRESHOLD, ctypes.c_int(keep))):
