@@ -2,11 +2,12 @@
 
 All requests of one dynamic batch are decoded together, one encoder call's worth of windows at a
 time (``encoder_max_batch_size``: ``speech.decode_group_size``): one encoder call per group, then
-every decoder step is one call for the group's windows still running. The cross-attention K/V do not change between steps: on the gpu target they are
-passed on as the encoder response's own (device) tensors; on the embedded target, where every BLS
-input is copied into the callee's stub, the first step sends them and later steps name the
-decoder's cached copy (``input_cache_key``); there the decoder also keeps the self-attention K/V
-between steps (later steps send only the new tokens and get only the logits). Request parsing, the decoding loop and the outputs:
+every decoder step is one call for the group's windows still running. The cross-attention K/V do not
+change between steps: on the gpu target they are passed on as the encoder response's own (device)
+tensors; on the embedded target, where every BLS input is copied into the callee's stub, the first
+step sends them and later steps name the decoder's cached copy (``input_cache_key``); there the
+decoder also keeps the self-attention K/V between steps (later steps send only the new tokens and
+get only the logits). Request parsing, the decoding loop and the outputs:
 ``triton_pipelines.speech`` (``plan_request``, ``GreedyDecoder``, ``transcript_outputs``); the BLS
 calls: ``triton_pipelines.stub.whisper``."""
 
