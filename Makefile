@@ -12,7 +12,7 @@ BUILD_FLAGS ?=
 
 install: $(INSTALLED)
 
-# Debian packages: nginx (the public front of the server, see src/triton_pipelines/proxy.py),
+# Debian packages: nginx (the public front of the server, see src/triton_pipelines/front/nginx_config.py),
 # espeak-ng (the speech quality tests and benchmark speak their clips with it) and postgresql (the
 # spend ledger's tests start their own PostgreSQL server: tests/postgres_server.py).
 SYSTEM_PACKAGES := nginx-core espeak-ng postgresql
@@ -39,7 +39,7 @@ repository: install
 # The memory planner checks first that every model at its max batch fits this machine (docs/operations.md).
 serve: repository
 	$(PY) -m repo_builder plan --check
-	$(PY) -m triton_pipelines.launcher --model-repository model_repository
+	$(PY) -m triton_pipelines serve --model-repository model_repository
 
 test: repository prometheus-tools
 	$(PY) -m pytest -ra
@@ -55,9 +55,9 @@ test-unit: repository prometheus-tools
 # podman, runc and debootstrap from Debian, local stand-ins for the base images, the three targets,
 # the cpu profile end to end through Docker Compose v2 on free ports, the gpu profile as far as a
 # machine without a GPU allows. One line per step; non-zero on any failure. Root, as on our machines.
-# Logic: src/triton_pipelines/rehearse.py (README, "Two ways to run").
+# Logic: tools/rehearse/__main__.py (README, "Two ways to run").
 rehearse: install
-	$(PY) -m triton_pipelines.rehearse
+	$(PY) -m tools.rehearse
 
 # promtool and prometheus for the monitoring tests (tests/test_prometheus*.py): Debian's package
 # (2.42 on bookworm). Its post-install may start the system service: stop it, the tests start

@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from triton_pipelines.launcher import start_on_free_ports
+from triton_pipelines.server.launcher import start_on_free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
 # benchmarks/gpu.sh writes docs/benchmarks-gpu.md instead.

@@ -24,7 +24,7 @@ from typing import Callable
 
 import numpy as np
 
-from triton_pipelines.processes import find_stubs
+from triton_pipelines.server.processes import find_stubs
 
 from . import settings as bench_settings
 from .loadgen import Request, Target, bytes_tensor, measure, triton_check, triton_request
@@ -331,8 +331,8 @@ class TableRow:
 def tutorial_table(server, s: bench_settings.Settings) -> tuple[list[TableRow], dict[str, float], list[str]]:
     """Each model at the tutorial's batch size, one request at a time: Triton, the FastAPI peer
     and the in-process limit (same batch, same payload)."""
-    from triton_pipelines.onnx_runner import OnnxBatchRunner
-    from triton_pipelines.text import TextTokenizer
+    from triton_pipelines.pipelines.onnx_runner import OnnxBatchRunner
+    from triton_pipelines.pipelines.text import TextTokenizer
 
     from .bench_text import full_length_tokens
     from .bench_vision import in_process as vision_limit

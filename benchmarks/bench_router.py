@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from triton_pipelines.client import TritonClient, text_tensor
-from triton_pipelines.launcher import start_on_free_ports
+from triton_pipelines.server.launcher import start_on_free_ports
 
 from .bench_text import corpus, text_input_data
 from .perf import BENCH_DIR, markdown_table, perf_analyzer

@@ -1,7 +1,7 @@
 """speech_recognition (real Whisper base) through Triton next to faster-whisper on the same
 weights, the same clips and the same cores.
 
-Clips: the speech corpus of the quality tests (``triton_pipelines.speech_eval.CORPUS``: 24 sentences
+Clips: the speech corpus of the quality tests (``tools.speech_eval.CORPUS``: 24 sentences
 in English, German and Spanish spoken by espeak-ng, 2–5 s each), each sent with its language.
 Every system decodes greedily without timestamps and reports audio seconds per wall second, RTF
 (latency / clip duration) at concurrency 1 and at saturation, and WER on the same clips.
@@ -33,9 +33,9 @@ from pathlib import Path
 import numpy as np
 
 from triton_pipelines.client import TritonClient, text_tensor
-from triton_pipelines.speech import SAMPLE_RATE, WhisperOnnx, WhisperTokenizer, audio_to_features, decode_audio
-from triton_pipelines.speech import join_transcript, load_mel_filters
-from triton_pipelines.speech_eval import CORPUS, FasterWhisperGreedy, corpus_wer, join_clips, speak
+from triton_pipelines.pipelines.speech import SAMPLE_RATE, WhisperOnnx, WhisperTokenizer, audio_to_features, decode_audio
+from triton_pipelines.pipelines.speech import join_transcript, load_mel_filters
+from tools.speech_eval import CORPUS, FasterWhisperGreedy, corpus_wer, join_clips, speak
 
 from .perf import BENCH_DIR, markdown_table
 

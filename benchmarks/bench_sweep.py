@@ -53,14 +53,14 @@ def requests_for(model: str, repository: Path):
                                 ("attention_mask", "INT64", tokens.attention_mask[i:i + 1])], ["embedding"])
                 for i in range(len(tokens.input_ids))], "32-token sequences"
     if model == "resnet50":
-        from triton_pipelines.vision import preprocess_image
+        from triton_pipelines.pipelines.vision import preprocess_image
 
         from .bench_vision import jpeg_payloads
 
         return [triton_request([("pixel_values", "FP32", preprocess_image(p)[None])], ["logits"])
                 for p in jpeg_payloads(4)], "preprocessed 224x224 images"
     if model == "whisper_encoder":
-        from triton_pipelines.speech import audio_to_features, load_mel_filters
+        from triton_pipelines.pipelines.speech import audio_to_features, load_mel_filters
 
         from .speech_work import clip
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from triton_pipelines.onnx_runner import LengthGrouping, OnnxBatchRunner
-from triton_pipelines.text import LENGTH_BUCKETS, TextTokenizer
+from triton_pipelines.pipelines.onnx_runner import LengthGrouping, OnnxBatchRunner
+from triton_pipelines.pipelines.text import LENGTH_BUCKETS, TextTokenizer
 
 from .perf import BENCH_DIR, markdown_table, perf_analyzer
 

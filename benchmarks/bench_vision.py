@@ -17,8 +17,8 @@ import numpy as np
 
 from triton_pipelines import prometheus_text
 from triton_pipelines.client import TritonClient
-from triton_pipelines.onnx_runner import OnnxBatchRunner
-from triton_pipelines.vision import ImagePreprocessor, PreprocessConfig, preprocess_image
+from triton_pipelines.pipelines.onnx_runner import OnnxBatchRunner
+from triton_pipelines.pipelines.vision import ImagePreprocessor, PreprocessConfig, preprocess_image
 
 from .perf import BENCH_DIR, markdown_table, perf_analyzer
 

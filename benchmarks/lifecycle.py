@@ -27,9 +27,9 @@ from pathlib import Path
 import numpy as np
 
 from triton_pipelines.client import TritonClient, text_tensor
-from triton_pipelines.drain import dependencies
-from triton_pipelines.launcher import start_on_free_ports
-from triton_pipelines.warmup import warm_pipelines
+from triton_pipelines.server.drain import dependencies
+from triton_pipelines.server.launcher import start_on_free_ports
+from triton_pipelines.server.warmup import warm_pipelines
 
 from .perf import markdown_table
 

@@ -37,8 +37,8 @@ import tritonclient.grpc as grpcclient
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from triton_pipelines.client import InferenceServerException, TritonClient, text_tensor
-from triton_pipelines.launcher import start_on_free_ports
-from triton_pipelines.processes import SHM_DIR, child_pids, find_stubs
+from triton_pipelines.server.launcher import start_on_free_ports
+from triton_pipelines.server.processes import SHM_DIR, child_pids, find_stubs
 
 from .perf import markdown_table
 

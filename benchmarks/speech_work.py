@@ -8,7 +8,7 @@ from typing import Sequence
 
 import numpy as np
 
-from triton_pipelines.speech import WhisperOnnx, WhisperTokenizer, audio_to_features, join_transcript, load_mel_filters
+from triton_pipelines.pipelines.speech import WhisperOnnx, WhisperTokenizer, audio_to_features, join_transcript, load_mel_filters
 
 LANGUAGE = "en"
 # About 10 s of English speech (espeak-ng): three sentences of the quality tests' corpus.
@@ -16,7 +16,7 @@ CLIP_SENTENCES = 3
 
 
 def clip() -> bytes:
-    from triton_pipelines.speech_eval import CORPUS, speak
+    from tools.speech_eval import CORPUS, speak
 
     english = [s.text for s in CORPUS if s.language == LANGUAGE][:CLIP_SENTENCES]
     return speak(" ".join(english), LANGUAGE)

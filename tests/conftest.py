@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from triton_pipelines.client import TritonClient
-from triton_pipelines.launcher import RunningServer, start_on_free_ports
+from triton_pipelines.server.launcher import RunningServer, start_on_free_ports
 
 from .fake_gateway import FakeGateway
 

@@ -12,7 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from triton_pipelines.processes import free_ports
+from triton_pipelines.server.processes import free_ports
 
 
 def postgres_bin() -> Path:

@@ -18,7 +18,7 @@ from repo_builder.files import read_config
 from repo_builder.repository import ONNX_RUNNER_TEMPLATE
 from tests import fake_pb_utils
 from triton_pipelines.errors import INPUT_ERROR_PREFIX, InputError
-from triton_pipelines.onnx_runner import EmbeddedComputeModel, InputCache
+from triton_pipelines.pipelines.onnx_runner import EmbeddedComputeModel, InputCache
 
 ROOT = Path(__file__).resolve().parents[1]
 REPOSITORY = ROOT / "model_repository"
@@ -209,7 +209,7 @@ def test_compute_model_refuses_missing_inputs_and_fails_only_the_failed_run():
 
 
 def test_text_tokenizer_adapter_tokenizes_and_refuses_bad_utf8(pb):
-    from triton_pipelines.text import TextTokenizer
+    from triton_pipelines.pipelines.text import TextTokenizer
 
     model = initialized(ROOT / "python_models" / "text_tokenizer" / "model.py", "text_tokenizer")
     texts = np.array([[b"Where is my parcel?"]], dtype=object)
@@ -224,7 +224,7 @@ def test_whisper_decode_adapter_gives_the_in_process_tokens_across_decoder_insta
     """audio_features → whisper_decode, whose BLS calls reach the embedded runner template for
     whisper_encoder and two whisper_decoder instances taking turns: each holds the cross K/V cache
     of its own, so steps miss it and send the windows again. Tokens equal the in-process reference."""
-    from triton_pipelines.speech import WhisperOnnx, WhisperTokenizer
+    from triton_pipelines.pipelines.speech import WhisperOnnx, WhisperTokenizer
 
     features_model = initialized(ROOT / "python_models" / "audio_features" / "model.py", "audio_features")
     decode_model = initialized(ROOT / "python_models" / "whisper_decode" / "model.py", "whisper_decode")

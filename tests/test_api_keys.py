@@ -4,7 +4,7 @@ from decimal import Decimal
 
 import pytest
 
-from triton_pipelines.api_keys import (KEYS_FILE_ENV, KeyRing, KeysFileError, bearer_secret, key_id,
+from triton_pipelines.gateway.keys import (KEYS_FILE_ENV, KeyRing, KeysFileError, bearer_secret, key_id,
                                        keys_from_environment, period_seconds)
 
 SECRET_A = "sk-team-a-0123456789abcdef"

@@ -1,8 +1,8 @@
-"""triton_pipelines.backends: models a backend folder cannot serve (the launcher leaves them out)."""
+"""triton_pipelines.repository.backends: models a backend folder cannot serve (the launcher leaves them out)."""
 
 from __future__ import annotations
 
-from triton_pipelines.backends import needs, unloadable
+from triton_pipelines.repository.backends import needs, unloadable
 
 
 def _model(repository, name, text):
@@ -43,7 +43,7 @@ class _Started(Exception):
 
 
 def _launch(monkeypatch, repository, backends):
-    from triton_pipelines import launcher
+    from triton_pipelines.server import launcher
 
     seen = {}
 

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from triton_pipelines import image_budget
+from triton_pipelines.pipelines import image_budget
 from triton_pipelines.errors import InputError
-from triton_pipelines.vision import PreprocessConfig, preprocess_image
+from triton_pipelines.pipelines.vision import PreprocessConfig, preprocess_image
 
 from . import hostile_files as hostile
 
@@ -23,7 +23,9 @@ from . import hostile_files as hostile
 def config_parameters(model: str) -> dict[str, str]:
     """What the builder writes into a Python model's config from the runtime's constants."""
     from repo_builder.pipeline import parameter_text
-    from triton_pipelines import speech, text, vision
+    from triton_pipelines.pipelines import speech
+    from triton_pipelines.pipelines import text
+    from triton_pipelines.pipelines import vision
 
     owners = {name: values for module in (speech, text, vision) for name, values in module.CONFIG_PARAMETERS.items()}
     return {key: parameter_text(value) for key, value in owners[model].items()}
@@ -136,13 +138,13 @@ def test_exif_orientation_matches_pillows_exif_transpose(orientation):
         opened.load()
         assert image_budget.exif_orientation(opened.info.get("exif")) == orientation
         expected = np.asarray(ImageOps.exif_transpose(Image.open(io.BytesIO(buffer.getvalue()))).convert("RGB"))
-        from triton_pipelines.vision import to_rgb
+        from triton_pipelines.pipelines.vision import to_rgb
 
         assert np.array_equal(np.asarray(to_rgb(opened)), expected), (fmt, orientation)
 
 
 # ------------------------------------------------------------------------------------ audio
-from triton_pipelines import speech  # noqa: E402
+from triton_pipelines.pipelines import speech  # noqa: E402
 
 
 def test_audio_features_config_holds_the_python_defaults():
@@ -208,7 +210,7 @@ def test_silent_windows_are_left_out_and_sounding_ones_kept():
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from triton_pipelines.text import TextTokenizer  # noqa: E402
+from triton_pipelines.pipelines.text import TextTokenizer  # noqa: E402
 
 from .test_text_logic import minilm_dir  # noqa: E402
 
@@ -270,7 +272,7 @@ def test_long_texts_cost_what_their_first_tokens_cost():
 
 
 def test_16_bit_grayscale_is_scaled_in_integers_exactly_like_rounding():
-    from triton_pipelines.vision import to_rgb
+    from triton_pipelines.pipelines.vision import to_rgb
 
     values = np.arange(65536, dtype=np.uint16).reshape(256, 256)
     buffer = io.BytesIO()

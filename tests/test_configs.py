@@ -14,7 +14,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from repo_builder.__main__ import parse_context
 from repo_builder.compute import TARGETS
-from triton_pipelines.launcher import ServerOptions, pytriton_dir, server_command, server_environment
+from triton_pipelines.server.launcher import ServerOptions, pytriton_dir, server_command, server_environment
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE_CONFIGS = sorted((ROOT / "python_models").glob("*/config.pbtxt")) + sorted(
@@ -104,7 +104,7 @@ def test_tokenizer_padding_matches_how_the_text_encoders_batch(target):
     backend batches equal shapes only, so the tokenizer pads to length buckets and no input is
     ragged (it would be concatenated flat, which the padded graph cannot take)."""
     from repo_builder.variants import variant_model
-    from triton_pipelines.text import LENGTH_BUCKETS, parse_buckets
+    from triton_pipelines.pipelines.text import LENGTH_BUCKETS, parse_buckets
 
     context, pipelines = parse_context(["--target", target])
     text_pipeline = next(p for p in pipelines if "text_tokenizer" in p.python_models)
@@ -194,10 +194,10 @@ def test_compose_serves_the_ngc_2_51_image_on_the_native_ports():
 
 def compose_launcher_options():
     """The launcher invocation of the compose file, parsed by the launcher's own CLI."""
-    from triton_pipelines import launcher
+    from triton_pipelines.server import launcher
 
     command = compose()["services"]["triton"]["command"]
-    assert command[:3] == ["python3", "-m", "triton_pipelines.launcher"]
+    assert command[:4] == ["python3", "-m", "triton_pipelines", "serve"]
     captured = {}
 
     def record(options):
@@ -208,12 +208,12 @@ def compose_launcher_options():
         patch.setattr(launcher, "Launcher", record)
         patch.setattr(launcher.Path, "exists", lambda self: True)  # /models/.built is in the container
         with pytest.raises(SystemExit):
-            launcher.main(command[3:])
+            launcher.main(command[4:])
     return captured["options"]
 
 
 def test_compose_runs_the_launcher_on_the_containers_server_with_valid_flags():
-    from triton_pipelines import launcher
+    from triton_pipelines.server import launcher
 
     options = compose_launcher_options()
     assert options.tritonserver == Path("/opt/tritonserver/bin/tritonserver")
@@ -237,7 +237,7 @@ def test_containers_serve_behind_nginx_as_a_non_root_user_on_every_address():
         assert command[command.index("--listen-address") + 1] == "0.0.0.0"
         # nginx → the launcher's readiness, which sees dead stubs
         assert compose()["services"][service]["healthcheck"]["test"][1:] == [
-            "python3", "-m", "triton_pipelines.health", "--url", "localhost:8000"]
+            "python3", "-m", "triton_pipelines", "health", "--url", "localhost:8000"]
 
 
 def test_compose_gives_the_drain_time_before_sigkill():
@@ -246,7 +246,7 @@ def test_compose_gives_the_drain_time_before_sigkill():
 
 
 def test_bls_models_declare_what_they_call_for_the_shutdown_drain():
-    from triton_pipelines.drain import dependencies
+    from triton_pipelines.server.drain import dependencies
 
     for model_py in sorted((ROOT / "python_models").glob("*/model.py")):
         source = model_py.read_text()

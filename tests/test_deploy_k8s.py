@@ -139,7 +139,7 @@ def test_deployment_runs_the_compose_command_with_gpu_shm_and_probes():
     assert triton["livenessProbe"]["httpGet"] == {"path": "/v2/health/live", "port": "http"}
     # The startup probe gates real readiness (nginx answers /live at once), for at least as long as
     # the launcher itself waits for the start-up load (one source: launcher.READY_TIMEOUT_S).
-    from triton_pipelines.launcher import READY_TIMEOUT_S
+    from triton_pipelines.server.launcher import READY_TIMEOUT_S
 
     assert triton["startupProbe"]["httpGet"]["path"] == "/v2/health/ready"
     assert triton["startupProbe"]["periodSeconds"] * triton["startupProbe"]["failureThreshold"] >= READY_TIMEOUT_S + 60

@@ -1,4 +1,4 @@
-"""The one call graph of the models (triton_pipelines/ensemble_graph.py), without a server: read
+"""The one call graph of the models (triton_pipelines/repository/ensemble_graph.py), without a server: read
 from protobuf configs (the builder, the rollout) and from their JSON form (the drain) alike;
 ``reaches`` through nested ensembles and declared BLS calls; ``callers``; ``unload_order``."""
 
@@ -8,8 +8,8 @@ import pytest
 from google.protobuf import json_format
 
 from repo_builder.files import read_config
-from triton_pipelines.ensemble_graph import EnsembleGraph, Step, config_calls
-from triton_pipelines.layout import BuiltManifest
+from triton_pipelines.repository.ensemble_graph import EnsembleGraph, Step, config_calls
+from triton_pipelines.repository.contract import BuiltManifest
 
 from .conftest import ensure_repository
 

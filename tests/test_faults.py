@@ -21,8 +21,8 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from triton_pipelines.client import InferenceServerException, TritonClient, text_tensor
-from triton_pipelines.launcher import start_on_free_ports
-from triton_pipelines.processes import SHM_DIR, find_stubs
+from triton_pipelines.server.launcher import start_on_free_ports
+from triton_pipelines.server.processes import SHM_DIR, find_stubs
 
 from .conftest import LOG_DIR, ensure_repository, gateway_environment
 from .fake_gateway import Reply

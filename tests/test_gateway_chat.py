@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from triton_pipelines import prometheus_text
-from triton_pipelines.spend_ledger import SpendLedger, nano_usd
+from triton_pipelines.gateway.ledger import SpendLedger, nano_usd
 
 from .conftest import LOG_DIR, ensure_repository
 from .fake_gateway import Reply, context_length_error
@@ -57,7 +57,7 @@ def setup(fake, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(setup, fake):
-    from triton_pipelines.launcher import start_on_free_ports
+    from triton_pipelines.server.launcher import start_on_free_ports
 
     repository, keys, database, log = setup
     with environment(LLM_GATEWAY_BASE_URL=fake.base_url, LLM_GATEWAY_API_KEY=GATEWAY_KEY,

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 from tritonclient.grpc import service_pb2
 
-from triton_pipelines.api_keys import KEY_ID_PARAMETER, KeyRing, key_id
+from triton_pipelines.gateway.keys import KEY_ID_PARAMETER, KeyRing, key_id
 from triton_pipelines.errors import parse_refusal, refusal_text
-from triton_pipelines.routing import RouteTable
-from triton_pipelines.screen import ScreenError, ScreenPolicy, check_grpc_request, check_http_request
-from triton_pipelines.screen_server import key_id_for, refused_answer
+from triton_pipelines.pipelines.routing import RouteTable
+from triton_pipelines.front.screen import ScreenError, ScreenPolicy, check_grpc_request, check_http_request
+from triton_pipelines.front.screen_server import key_id_for, refused_answer
 
 ROUTES = RouteTable.load(Path(__file__).resolve().parents[1] / "data" / "routes.yaml")
 SECRET = "sk-team-a-0123456789abcdef"

@@ -10,9 +10,9 @@ from decimal import Decimal
 import pytest
 import yaml
 
-from triton_pipelines.api_keys import KeyRing
-from triton_pipelines.launcher import start_on_free_ports
-from triton_pipelines.spend_ledger import KeyLimits, SpendLedger, nano_usd
+from triton_pipelines.gateway.keys import KeyRing
+from triton_pipelines.server.launcher import start_on_free_ports
+from triton_pipelines.gateway.ledger import KeyLimits, SpendLedger, nano_usd
 
 from .conftest import LOG_DIR, ensure_repository
 from .gateway_helpers import environment, http_route, router_repository

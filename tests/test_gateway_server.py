@@ -16,9 +16,9 @@ import pytest
 import yaml
 
 from triton_pipelines import prometheus_text
-from triton_pipelines.launcher import start_on_free_ports
-from triton_pipelines.processes import find_stubs
-from triton_pipelines.spend_ledger import SpendLedger, nano_usd
+from triton_pipelines.server.launcher import start_on_free_ports
+from triton_pipelines.server.processes import find_stubs
+from triton_pipelines.gateway.ledger import SpendLedger, nano_usd
 
 from .conftest import LOG_DIR, ensure_repository
 from .fake_gateway import Reply, context_length_error
@@ -153,8 +153,8 @@ def test_the_budget_is_refused_within_one_call_and_never_overspent(server, gatew
 
 
 def next_key(name: str):
-    from triton_pipelines.api_keys import KeyRing
-    from triton_pipelines.spend_ledger import KeyLimits
+    from triton_pipelines.gateway.keys import KeyRing
+    from triton_pipelines.gateway.ledger import KeyLimits
 
     ring = KeyRing.from_document(keys_document())
     return KeyLimits.of(next(k for k in ring if k.name == name))

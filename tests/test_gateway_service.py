@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from triton_pipelines.api_keys import KeyRing
+from triton_pipelines.gateway.keys import KeyRing
 from triton_pipelines.errors import parse_refusal
-from triton_pipelines.gateway import GatewayClient
-from triton_pipelines.gateway_service import GatewayRefusal, GatewayService
-from triton_pipelines.routing import RouteError, RouteTable
-from triton_pipelines.spend_ledger import SpendLedger
+from triton_pipelines.gateway.upstream import GatewayClient
+from triton_pipelines.gateway.service import GatewayRefusal, GatewayService
+from triton_pipelines.pipelines.routing import RouteError, RouteTable
+from triton_pipelines.gateway.ledger import SpendLedger
 
 from .fake_gateway import Reply, context_length_error
 

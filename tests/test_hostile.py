@@ -23,8 +23,8 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from triton_pipelines.client import InferenceServerException, TritonClient, text_tensor
-from triton_pipelines.control import CONTROL_HEADER
-from triton_pipelines.processes import SHM_DIR
+from triton_pipelines.server.control import CONTROL_HEADER
+from triton_pipelines.server.processes import SHM_DIR
 
 from .router_helpers import metric, route, scrape
 from .test_vision_server import png_bomb

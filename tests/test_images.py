@@ -27,8 +27,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from triton_pipelines.launcher import free_ports
-from triton_pipelines.processes import find_stubs
+from triton_pipelines.server.launcher import free_ports
+from triton_pipelines.server.processes import find_stubs
 
 from .conftest import LOG_DIR, PROJECT_ROOT, ensure_repository
 
@@ -265,7 +265,7 @@ def test_the_serving_python_310_serves_the_pipelines(serving_venv_310, tmp_path)
     http, grpc, metrics = free_ports(3)
     state = tmp_path / "state"
     log = open(LOG_DIR / "py310-server.log", "wb")
-    server = subprocess.Popen([str(python), "-m", "triton_pipelines.launcher", "--model-repository",
+    server = subprocess.Popen([str(python), "-m", "triton_pipelines", "serve", "--model-repository",
                                str(ensure_repository()), "--http-port", str(http), "--grpc-port", str(grpc),
                                "--metrics-port", str(metrics), "--state-dir", str(state)],
                               cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -355,7 +355,7 @@ def test_serving_requirements_provide_every_module_the_server_imports():
 
     from packaging.utils import canonicalize_name
 
-    from triton_pipelines.rehearse import TRITON_MODULES, server_imports
+    from tools.rehearse.recipes import TRITON_MODULES, server_imports
 
     provided = requirement_closure(PROJECT_ROOT / "requirements-serving.txt")
     owners = metadata.packages_distributions()
@@ -371,7 +371,7 @@ def test_serving_requirements_provide_every_module_the_server_imports():
 
 def test_healthcheck_waits_as_long_as_the_launcher_does():
     """Issue 20, item 5: one source for the start-up limit (launcher.READY_TIMEOUT_S)."""
-    from triton_pipelines.launcher import READY_TIMEOUT_S
+    from triton_pipelines.server.launcher import READY_TIMEOUT_S
 
     services = yaml.safe_load((PROJECT_ROOT / "docker-compose.yml").read_text())["services"]
     for name in ("triton", "triton-cpu"):

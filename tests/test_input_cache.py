@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from triton_pipelines.errors import InputError
-from triton_pipelines.onnx_runner import InputCache, parse_rows
+from triton_pipelines.pipelines.onnx_runner import InputCache, parse_rows
 
 
 def arrays(rows: int, offset: float = 0.0) -> dict[str, np.ndarray]:
@@ -123,7 +123,7 @@ def test_no_entries_means_every_later_call_misses():
 
 
 def test_execution_providers_are_chosen_in_order_or_refused_clearly(tmp_path):
-    from triton_pipelines.onnx_runner import providers_for
+    from triton_pipelines.pipelines.onnx_runner import providers_for
 
     gpu_build = ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]
     chosen = providers_for(["tensorrt", "cuda", "cpu"], gpu_build, tmp_path)
@@ -226,7 +226,7 @@ def test_a_model_with_state_only():
 
 
 def test_parse_state_pairs():
-    from triton_pipelines.onnx_runner import parse_state_pairs
+    from triton_pipelines.pipelines.onnx_runner import parse_state_pairs
 
     assert parse_state_pairs("past_self_kv=present_self_kv") == {"past_self_kv": "present_self_kv"}
     assert parse_state_pairs("") == {}

@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from triton_pipelines import launcher
+from triton_pipelines.server import launcher
 from triton_pipelines.client import TritonClient, text_tensor
-from triton_pipelines.launcher import InternalPorts, ServerOptions, server_command, start_on_free_ports
+from triton_pipelines.server.launcher import InternalPorts, ServerOptions, server_command, start_on_free_ports
 
 from .conftest import LOG_DIR, ensure_repository
 
@@ -82,7 +82,7 @@ def test_a_model_that_fails_to_load_stops_the_start(tmp_path):
 
 
 def test_unload_layers_put_callers_before_the_models_they_call():
-    from triton_pipelines.drain import dependencies, unload_layers
+    from triton_pipelines.server.drain import dependencies, unload_layers
 
     ensemble = {"ensemble_scheduling": {"step": [{"model_name": "tok"}, {"model_name": "enc"}]}}
     router = {"parameters": {"bls_dependencies": {"string_value": "*"}}}
@@ -100,13 +100,13 @@ def test_cli_serves_on_environment_ports_and_stops_cleanly_on_ctrl_c():
     import sys
     import urllib.request
 
-    from triton_pipelines.launcher import free_ports
+    from triton_pipelines.server.launcher import free_ports
 
     http, grpc, metrics = free_ports(3)
     env = dict(os.environ, TRITON_HTTP_PORT=str(http), TRITON_GRPC_PORT=str(grpc), TRITON_METRICS_PORT=str(metrics))
     log = open(LOG_DIR / "cli-server.log", "wb")
     process = subprocess.Popen(
-        [sys.executable, "-m", "triton_pipelines.launcher", "--model-repository", str(ensure_repository()),
+        [sys.executable, "-m", "triton_pipelines", "serve", "--model-repository", str(ensure_repository()),
          "--load-model", "text_tokenizer"], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 120
@@ -131,7 +131,7 @@ def test_cli_serves_on_environment_ports_and_stops_cleanly_on_ctrl_c():
 def test_json_header_limit_pattern_matches_exactly_the_numbers_up_to_the_limit():
     import re
 
-    from triton_pipelines.proxy import regex_at_most
+    from triton_pipelines.front.nginx_config import regex_at_most
 
     for limit in (0, 1, 9, 10, 99, 100, 1234, 131072):
         pattern = re.compile(regex_at_most(limit))
@@ -143,7 +143,7 @@ def test_json_header_limit_pattern_matches_exactly_the_numbers_up_to_the_limit()
 def test_generated_nginx_config_is_valid_and_listens_where_asked(tmp_path):
     import subprocess
 
-    from triton_pipelines.proxy import ProxyConfig, nginx_binary, render_config
+    from triton_pipelines.front.nginx_config import ProxyConfig, nginx_binary, render_config
 
     for address in ("127.0.0.1", "0.0.0.0"):
         config = ProxyConfig(listen_address=address, http_port=18000, grpc_port=18001, metrics_port=18002,
@@ -188,8 +188,8 @@ class FakeUpstream(http.server.BaseHTTPRequestHandler):
 def proxy_in_front_of(handler, state_dir: Path, **config):
     """nginx (``ProxyProcess``) on free ports in front of a ``ThreadingHTTPServer`` running
     ``handler`` for every upstream (Triton HTTP, gRPC and status): (proxy, upstream, HTTP port)."""
-    from triton_pipelines.launcher import free_ports
-    from triton_pipelines.proxy import ProxyConfig, ProxyProcess
+    from triton_pipelines.server.launcher import free_ports
+    from triton_pipelines.front.nginx_config import ProxyConfig, ProxyProcess
 
     upstream = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=upstream.serve_forever, daemon=True).start()
@@ -250,7 +250,7 @@ def test_the_front_refuses_inference_beyond_its_in_flight_limit_at_once(tmp_path
     (an internal rewrite) counts once."""
     import urllib.request
 
-    from triton_pipelines.proxy import default_worker_user
+    from triton_pipelines.front.nginx_config import default_worker_user
 
     reached = []
 
@@ -310,7 +310,7 @@ def test_the_front_refuses_inference_beyond_its_in_flight_limit_at_once(tmp_path
 
 
 def test_control_key_comes_from_the_environment_or_is_generated(monkeypatch):
-    from triton_pipelines.control import KEY_ENV, resolve_key
+    from triton_pipelines.server.control import KEY_ENV, resolve_key
 
     monkeypatch.delenv(KEY_ENV, raising=False)
     first, second = resolve_key(), resolve_key()
@@ -329,7 +329,7 @@ def test_clients_that_send_their_body_slowly_hold_no_in_flight_place(tmp_path):
     import socket
     import urllib.request
 
-    from triton_pipelines.proxy import default_worker_user
+    from triton_pipelines.front.nginx_config import default_worker_user
 
     class Upstream(FakeUpstream):
         def do_POST(self):

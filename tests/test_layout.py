@@ -1,4 +1,4 @@
-"""The contract between the builder and the runtime (triton_pipelines/layout.py), without a server:
+"""The contract between the builder and the runtime (triton_pipelines/repository/contract.py), without a server:
 variant names both ways, the build stamp read and written back byte for byte, and the Python
 backend's shared-memory sizes the launcher and the planner share."""
 
@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from triton_pipelines.layout import (LATENCY_CLASSES, PYTHON_BACKEND_SHM_CONFIG, PYTHON_SHM_DEFAULT_BYTES,
+from triton_pipelines.repository.contract import (LATENCY_CLASSES, PYTHON_BACKEND_SHM_CONFIG, PYTHON_SHM_DEFAULT_BYTES,
                                      PYTHON_SHM_GROWTH_BYTES, STABLE_VERSION, BuiltManifest, ComputeModelFacts,
                                      VariantName, parse_variant_name, variant_name)
 
@@ -65,7 +65,7 @@ def test_an_older_stamp_reads_with_defaults(tmp_path):
 
 def test_the_launcher_and_the_planner_share_the_shm_sizes():
     from repo_builder import plan
-    from triton_pipelines import launcher
+    from triton_pipelines.server import launcher
 
     assert launcher.PYTHON_BACKEND_CONFIG == PYTHON_BACKEND_SHM_CONFIG == (
         "shm-default-byte-size=16777216", "shm-growth-byte-size=16777216")
@@ -74,7 +74,7 @@ def test_the_launcher_and_the_planner_share_the_shm_sizes():
 
 def test_layout_imports_nothing_heavy():
     """The builder, the launcher and the router (inside Triton's stub) import it: standard library only."""
-    code = ("import sys; before = set(sys.modules); import triton_pipelines.layout; "
+    code = ("import sys; before = set(sys.modules); import triton_pipelines.repository.contract; "
             "print(sorted(m.split('.')[0] for m in set(sys.modules) - before))")
     loaded = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                                        check=True).stdout.replace("'", '"'))

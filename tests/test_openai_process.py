@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from triton_pipelines.api_keys import KeysFileError
-from triton_pipelines.openai_process import FrontendProcess
+from triton_pipelines.gateway.keys import KeysFileError
+from triton_pipelines.server.frontend_process import FrontendProcess
 
 
 def test_a_named_keys_file_that_is_missing_or_malformed_stops_the_start(tmp_path, monkeypatch):

@@ -9,8 +9,8 @@ import json
 import numpy as np
 import pytest
 
-from triton_pipelines import openai_protocol as proto
-from triton_pipelines.speech import GreedyBatch, StreamDecode, StreamJob, stable_prefix, text_delta
+from triton_pipelines.openai_api import protocol as proto
+from triton_pipelines.pipelines.speech import GreedyBatch, StreamDecode, StreamJob, stable_prefix, text_delta
 
 CATALOG = proto.ModelCatalog.build(["text_embedding", "text_classification", "speech_recognition", "router"],
                                    ["gpt-4.1", "deepseek-v3.2"])
@@ -230,7 +230,7 @@ def test_chat_arguments_for_the_gateway_service():
 def test_a_gateway_answer_is_a_chat_completion_naming_the_model_that_answered():
     from decimal import Decimal
 
-    from triton_pipelines.gateway_service import GatewayAnswer
+    from triton_pipelines.gateway.service import GatewayAnswer
 
     answer = GatewayAnswer("hi", "gpt-4.1", 11, 7, Decimal("0.000144"), "gemini-2.5-flash", "gemini-2.5-flash",
                            "rate_limited", "team-a", "chatcmpl-1")
@@ -258,8 +258,8 @@ def test_streamed_chunks_lose_x_gateway_and_the_usage_chunk_needs_include_usage(
 
 def test_gateway_refusals_and_failures_are_openai_errors():
     from triton_pipelines.errors import InputError
-    from triton_pipelines.gateway_service import GatewayRefusal
-    from triton_pipelines.routing import RouteError
+    from triton_pipelines.gateway.service import GatewayRefusal
+    from triton_pipelines.pipelines.routing import RouteError
 
     error = proto.gateway_failure(GatewayRefusal(429, "over_budget", "key team-a has spent its budget of $0.005",
                                                  12.2, "insufficient_quota", "budget_exceeded", "budget"))
@@ -356,7 +356,7 @@ def test_without_partials_only_the_final_response_is_sent_and_groups_are_respect
 
 
 def test_a_cancelled_request_stops_decoding_and_gets_one_empty_final_response(monkeypatch):
-    from triton_pipelines import speech
+    from triton_pipelines.pipelines import speech
 
     monkeypatch.setattr(speech, "CANCEL_CHECK_S", 0.0)  # ask at every step (a real step takes ms)
     steps = []
@@ -372,7 +372,7 @@ def test_a_cancelled_request_stops_decoding_and_gets_one_empty_final_response(mo
 def test_triton_failures_map_to_openai_errors():
     from tritonclient.utils import InferenceServerException
 
-    from triton_pipelines.openai_server import triton_error
+    from triton_pipelines.openai_api.server import triton_error
 
     def failure(message, status):
         return triton_error(InferenceServerException(message, status=status), "audio")
@@ -388,7 +388,7 @@ def test_triton_failures_map_to_openai_errors():
 
 
 def test_metrics_label_known_models_only_and_render_prometheus_text():
-    from triton_pipelines.openai_server import Metrics
+    from triton_pipelines.openai_api.server import Metrics
     from triton_pipelines.prometheus_text import parse_samples, total
 
     metrics = Metrics({"text_embedding"})

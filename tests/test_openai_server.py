@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from triton_pipelines.client import TritonClient, text_tensor
-from triton_pipelines.launcher import start_on_free_ports
+from triton_pipelines.server.launcher import start_on_free_ports
 
 from .conftest import LOG_DIR, ensure_repository, gateway_environment, statistics_after
 from .fake_gateway import Reply
@@ -132,8 +132,8 @@ def test_the_embedding_requests_raw_grpc_form_is_tritonclients():
     from tritonclient.grpc import service_pb2
     from tritonclient.utils import serialize_byte_tensor
 
-    from triton_pipelines import openai_protocol as proto
-    from triton_pipelines.openai_server import bytes_request, fp32_output
+    from triton_pipelines.openai_api import protocol as proto
+    from triton_pipelines.openai_api.server import bytes_request, fp32_output
 
     texts = ["How do I reset my password?".encode(), b"", "héllo".encode(), b"x" * 70_000]
     request = bytes_request(service_pb2, "text_embedding", "text", texts, "embedding")
@@ -156,8 +156,8 @@ def test_the_embedding_requests_raw_grpc_form_is_tritonclients():
 
 
 def test_binary_http_answers_are_read_by_offset_and_checked():
-    from triton_pipelines import openai_protocol as proto
-    from triton_pipelines.openai_server import http_fp32_output
+    from triton_pipelines.openai_api import protocol as proto
+    from triton_pipelines.openai_api.server import http_fp32_output
 
     vectors = np.arange(6, dtype=np.float32).reshape(2, 3)
     header = json.dumps({"outputs": [{"name": "other", "datatype": "BYTES", "shape": [1],
@@ -178,11 +178,11 @@ def start_frontend(extra: list[str], env: dict | None = None):
     import subprocess
     import sys
 
-    from triton_pipelines.processes import free_ports
+    from triton_pipelines.server.processes import free_ports
 
     port = free_ports(1)[0]
     env = env if env is not None else {k: v for k, v in os.environ.items() if k != "TRITON_API_KEYS_FILE"}
-    process = subprocess.Popen([sys.executable, "-m", "triton_pipelines.openai_server", f"--port={port}",
+    process = subprocess.Popen([sys.executable, "-m", "triton_pipelines", "frontend", f"--port={port}",
                                 f"--model-repository={ensure_repository()}", *extra], env=env, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 60
     while True:
@@ -651,11 +651,11 @@ def test_keys_off_the_frontend_is_open_and_a_missing_triton_is_503(tmp_path):
     import subprocess
     import sys
 
-    from triton_pipelines.processes import free_ports
+    from triton_pipelines.server.processes import free_ports
 
     port, nobody = free_ports(2)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_API_KEYS_FILE"}
-    process = subprocess.Popen([sys.executable, "-m", "triton_pipelines.openai_server", f"--port={port}",
+    process = subprocess.Popen([sys.executable, "-m", "triton_pipelines", "frontend", f"--port={port}",
                                 f"--triton-grpc=127.0.0.1:{nobody}", f"--model-repository={ensure_repository()}"],
                                env=env, stderr=subprocess.PIPE)
     try:

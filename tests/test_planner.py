@@ -17,7 +17,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from repo_builder.plan import (GiB, GPUS, Instance, Repository, graph_weights, live_peak, parse_bytes, place,
                                reduced_counts, smallest_fleet)
 from triton_pipelines.client import TritonClient
-from triton_pipelines.processes import find_stubs
+from triton_pipelines.server.processes import find_stubs
 
 from .conftest import ensure_repository
 from .lifecycle_helpers import copy_repository

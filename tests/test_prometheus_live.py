@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from triton_pipelines.client import InferenceServerException, TritonClient, text_tensor
-from triton_pipelines.launcher import free_ports
+from triton_pipelines.server.launcher import free_ports
 
 from .prometheus_helpers import (
     ANNOUNCED, DASHBOARD, PROMETHEUS_DIR, ROUTER_EXPORTED, RULE_FILES, TRITON_EXPORTED, adapter_rule,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from triton_pipelines.proxy import ProxyConfig, render_config
+from triton_pipelines.front.nginx_config import ProxyConfig, render_config
 
 EXPECTED = Path(__file__).parent / "data" / "nginx"
 
@@ -47,16 +47,16 @@ def test_the_template_ships_in_the_package():
     """The images install the package non-editable: the template must be package data."""
     import tomllib
 
-    from triton_pipelines import proxy
+    from triton_pipelines.front import nginx_config as proxy
 
     package = Path(proxy.__file__).parent
     patterns = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())[
-        "tool"]["setuptools"]["package-data"]["triton_pipelines"]
+        "tool"]["setuptools"]["package-data"]["triton_pipelines.front"]
     assert any(proxy.TEMPLATE in package.glob(pattern) for pattern in patterns)
 
 
 def test_every_template_field_is_filled_and_every_message_is_used():
-    from triton_pipelines.proxy import HTTP_MESSAGES, MESSAGES, TEMPLATE, NginxTemplate
+    from triton_pipelines.front.nginx_config import HTTP_MESSAGES, MESSAGES, TEMPLATE, NginxTemplate
 
     text = TEMPLATE.read_text()
     fields = {m.group("named") or m.group("braced") for m in NginxTemplate.pattern.finditer(text)}
@@ -69,7 +69,7 @@ def test_every_template_field_is_filled_and_every_message_is_used():
 def test_the_body_limit_is_the_largest_legal_input():
     """The front's default body limit is the speech pipeline's audio limit (the largest input a model
     accepts; audio_features' config holds the same number, tests/test_budgets_logic.py)."""
-    from triton_pipelines.proxy import DEFAULT_MAX_BODY_BYTES
-    from triton_pipelines.speech import MAX_AUDIO_BYTES
+    from triton_pipelines.front.nginx_config import DEFAULT_MAX_BODY_BYTES
+    from triton_pipelines.pipelines.speech import MAX_AUDIO_BYTES
 
     assert DEFAULT_MAX_BODY_BYTES == MAX_AUDIO_BYTES

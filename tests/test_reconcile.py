@@ -1,4 +1,4 @@
-"""The supervisor's reconcile pass (triton_pipelines.replicas), against fakes: no process, no server,
+"""The supervisor's reconcile pass (triton_pipelines.server.replicas), against fakes: no process, no server,
 no sleep. The clock, the process factory and the background tasks are injected; every pass runs
 with time.sleep forbidden, so a pass that waited would fail here.
 
@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from triton_pipelines.replicas import Replica, ReplicaSet, ReplicaState
-from triton_pipelines.status_server import LauncherMetrics
-from triton_pipelines.tritonserver import ServerOptions
+from triton_pipelines.server.replicas import Replica, ReplicaSet, ReplicaState
+from triton_pipelines.server.status import LauncherMetrics
+from triton_pipelines.server.tritonserver import ServerOptions
 
 STUB = {"image_preprocess": ["image_preprocess_0_0"]}
 _pids = itertools.count(1000)

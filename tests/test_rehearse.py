@@ -1,11 +1,12 @@
-"""The pure parts of `make rehearse` (src/triton_pipelines/rehearse.py, rehearse_steps.py)."""
+"""The pure parts of `make rehearse` (tools/rehearse/__main__.py, rehearse_steps.py)."""
 
 from __future__ import annotations
 
 import subprocess
 
-from triton_pipelines import rehearse
-from triton_pipelines.rehearse_steps import unreadable
+import tools.rehearse.__main__ as rehearsal
+from tools.rehearse import recipes as rehearse
+from tools.rehearse.steps import unreadable
 
 
 def test_recipe_hash_changes_with_the_recipe_only():
@@ -112,7 +113,7 @@ def test_the_no_gpu_override_drops_only_the_gpu_reservations_and_the_triton_ulim
 
 
 def test_a_failed_step_fails_the_rehearsal_and_only_the_clean_up_runs_after_it(tmp_path, monkeypatch, capsys):
-    from triton_pipelines import rehearse_steps
+    from tools.rehearse import steps as rehearse_steps
 
     ran = []
 
@@ -127,7 +128,7 @@ def test_a_failed_step_fails_the_rehearsal_and_only_the_clean_up_runs_after_it(t
     monkeypatch.setattr(rehearse_steps, "steps", lambda r: [
         ("cpu: compose up", step("up", ok=False)), ("gpu: builder service", step("gpu")),
         (rehearse.CLEANUP_STEP, step("clean"))])
-    r = rehearse.Rehearsal(rehearse.ROOT, tmp_path, tmp_path / "log")
+    r = rehearsal.Rehearsal(rehearse.ROOT, tmp_path, tmp_path / "log")
     monkeypatch.setattr(r, "step_podman", step("podman"))
     monkeypatch.setattr(r, "step_standins", step("standins"))
     monkeypatch.setattr(r, "step_build_targets", step("build"))

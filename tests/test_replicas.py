@@ -13,8 +13,8 @@ import urllib.request
 import pytest
 
 from triton_pipelines.client import InferenceServerException, TritonClient, text_tensor
-from triton_pipelines.control import CONTROL_HEADER
-from triton_pipelines.launcher import start_on_free_ports
+from triton_pipelines.server.control import CONTROL_HEADER
+from triton_pipelines.server.launcher import start_on_free_ports
 
 from .conftest import LOG_DIR, ensure_repository
 from .router_helpers import metric, scrape

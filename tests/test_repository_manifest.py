@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from triton_pipelines.layout import BuiltManifest
+from triton_pipelines.repository.contract import BuiltManifest
 
 from .conftest import ensure_repository
 from .repository_manifest import MANIFEST, differences, manifest

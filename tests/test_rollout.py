@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 
 from triton_pipelines.client import TritonClient, text_tensor
-from triton_pipelines.launcher import start_on_free_ports
-from triton_pipelines.rollout import Breach, Family, Gate, Metrics, Rollout, StepReport, judge
+from triton_pipelines.server.launcher import start_on_free_ports
+from triton_pipelines.ops.rollout import Breach, Family, Gate, Metrics, Rollout, StepReport, judge
 
 from .conftest import LOG_DIR, ensure_repository
 from .lifecycle_helpers import TEXTS, Traffic, copy_repository
@@ -227,7 +227,7 @@ def test_split_file_is_replaced_whole_and_keeps_other_models(tmp_path):
 
 def test_a_rollout_refuses_a_launcher_with_several_replicas(tmp_path):
     """Each replica is its own tritonserver: moving one would leave nginx's round robin serving a mix."""
-    from triton_pipelines.rollout import RolloutError, connect
+    from triton_pipelines.ops.rollout import RolloutError, connect
 
     (tmp_path / "control.key").write_text("key")
     server = {"triton_http": "127.0.0.1:1", "triton_metrics": "127.0.0.1:2",

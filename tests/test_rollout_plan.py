@@ -1,4 +1,4 @@
-"""The rollout's plan without a server (triton_pipelines/rollout_plan.py): the ordering rule (a
+"""The rollout's plan without a server (triton_pipelines/ops/rollout_plan.py): the ordering rule (a
 version is loaded and warmed before the router's split gives it traffic, old versions are retired
 only after the split took all traffic from them and their requests drained), the shares of each
 step, one hold's numbers, and the rollback path on a breach run by the executor against a fake
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from triton_pipelines.rollout import Breach, Rollout
-from triton_pipelines.rollout_plan import (Family, Gate, Hold, LoadEnsembles, LoadVersions, Metrics, Pin, Retire,
+from triton_pipelines.ops.rollout import Breach, Rollout
+from triton_pipelines.ops.rollout_plan import (Family, Gate, Hold, LoadEnsembles, LoadVersions, Metrics, Pin, Retire,
                                            RolloutError, Settle, StepReport, WaitDrained, WaitUnloaded, Warm,
                                            WriteSplit, check_steps, measure, plan_move, rollback_version)
 

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from triton_pipelines.client import InferenceServerException, TritonClient
-from triton_pipelines.launcher import start_on_free_ports
+from triton_pipelines.server.launcher import start_on_free_ports
 
 from .conftest import ensure_repository, gateway_environment
 from .fake_gateway import Reply

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 from triton_pipelines.errors import InputError
-from triton_pipelines.gateway import API_KEY_ENV, BASE_URL_ENV, CircuitBreaker, GatewayClient, retry_after_s
-from triton_pipelines.routing import (GatewaySettings, RouteError, Router, RouteTable, SplitFile, choose_model,
+from triton_pipelines.gateway.upstream import API_KEY_ENV, BASE_URL_ENV, CircuitBreaker, GatewayClient, retry_after_s
+from triton_pipelines.pipelines.routing import (GatewaySettings, RouteError, Router, RouteTable, SplitFile, choose_model,
                                       choose_version, cost_usd, split_point, tensor_to_json)
 
 from .fake_gateway import Reply
@@ -305,7 +305,7 @@ def test_batch_class_falls_back_to_realtime_only_when_asked_for_batch(router):
 def test_route_file_limits_override_the_table_defaults_and_only_those():
     import dataclasses
 
-    from triton_pipelines.routing import LIMIT_TYPES
+    from triton_pipelines.pipelines.routing import LIMIT_TYPES
 
     defaults = RouteTable.from_document({})
     assert {name: getattr(defaults, name) for name in LIMIT_TYPES} == {

@@ -14,9 +14,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from triton_pipelines.errors import InputError
-from triton_pipelines.gateway import GatewayClient
-from triton_pipelines.router_service import INPUT_REASONS, UNAVAILABLE_REASONS, RouterService
-from triton_pipelines.routing import RoutedRequest, Router, RouteTable
+from triton_pipelines.gateway.upstream import GatewayClient
+from triton_pipelines.pipelines.router_service import INPUT_REASONS, UNAVAILABLE_REASONS, RouterService
+from triton_pipelines.pipelines.routing import RoutedRequest, Router, RouteTable
 
 TABLE = RouteTable.load(Path(__file__).resolve().parents[1] / "data" / "routes.yaml")
 ROUTER = Router(TABLE)

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from triton_pipelines.client import InferenceServerException, TritonClient, text_tensor
-from triton_pipelines.onnx_runner import OnnxBatchRunner
-from triton_pipelines.text import TextTokenizer, mean_pool_normalize
+from triton_pipelines.pipelines.onnx_runner import OnnxBatchRunner
+from triton_pipelines.pipelines.text import TextTokenizer, mean_pool_normalize
 
 from .router_helpers import metric, route, scrape
 

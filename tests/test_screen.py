@@ -1,4 +1,4 @@
-"""The request screen's checks (triton_pipelines.screen), without a server: what Triton 2.51 must
+"""The request screen's checks (triton_pipelines.front.screen), without a server: what Triton 2.51 must
 never read, on both protocols, and that well-formed requests from tritonclient always pass."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tritonclient.grpc import service_pb2
 
-from triton_pipelines.screen import (MAX_DIMENSION, ScreenError, ScreenPolicy, check_grpc_request,
+from triton_pipelines.front.screen import (MAX_DIMENSION, ScreenError, ScreenPolicy, check_grpc_request,
                                      check_http_request, restarting_model_message)
 
 POLICY = ScreenPolicy(max_body_bytes=64 * 2**20, public_models=frozenset({"text_embedding", "router"}))

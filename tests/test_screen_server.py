@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from triton_pipelines.screen import ScreenPolicy
-from triton_pipelines.screen_server import HttpScreen, Upstream
+from triton_pipelines.front.screen import ScreenPolicy
+from triton_pipelines.front.screen_server import HttpScreen, Upstream
 
 BODY = json.dumps({"inputs": [{"name": "text", "shape": [1, 1], "datatype": "BYTES", "data": ["hi"]}]}).encode()
 STUB_DEAD = b'{"error":"Failed to process the request(s) for model \'text_tokenizer_0_0\', message: Stub process \'text_tokenizer_0_0\' is not healthy."}'
@@ -109,7 +109,7 @@ def test_bad_bodies_are_answered_by_the_screen(body, status):
 def test_a_refusal_on_a_stream_is_a_stream_response_with_its_error():
     from tritonclient.grpc import service_pb2
 
-    from triton_pipelines.screen_server import stream_error_response
+    from triton_pipelines.front.screen_server import stream_error_response
 
     for message in ("unknown model 'x'", "é" * 300):
         response = service_pb2.ModelStreamInferResponse.FromString(stream_error_response(message))

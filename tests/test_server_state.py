@@ -1,4 +1,4 @@
-"""The launcher's state file (triton_pipelines.server_state): one writer, one reader, one default folder."""
+"""The launcher's state file (triton_pipelines.server.state): one writer, one reader, one default folder."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from triton_pipelines.control import ControlClient
-from triton_pipelines.server_state import STATE_ENV, ServerState, resolve_state_dir
+from triton_pipelines.server.control import ControlClient
+from triton_pipelines.server.state import STATE_ENV, ServerState, resolve_state_dir
 
 
 def test_the_state_file_reads_back_what_was_written_and_only_its_owner_reads_it(tmp_path):

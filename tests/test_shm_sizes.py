@@ -13,8 +13,8 @@ import yaml
 from repo_builder.__main__ import parse_context
 from repo_builder.plan import GiB, MiB, Repository, shm_size_text
 from repo_builder.repository import planned_shm
-from triton_pipelines.launcher import shm_shortfall
-from triton_pipelines.layout import ShmCheck, shm_capacity
+from triton_pipelines.server.launcher import shm_shortfall
+from triton_pipelines.repository.contract import ShmCheck, shm_capacity
 
 from .conftest import PROJECT_ROOT, ensure_repository
 

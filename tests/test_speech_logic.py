@@ -1,4 +1,4 @@
-"""Unit tests for the speech pipeline logic (triton_pipelines.speech): no server."""
+"""Unit tests for the speech pipeline logic (triton_pipelines.pipelines.speech): no server."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import soundfile
 
 from repo_builder.speech_pipeline import whisper_assets_dir
 from triton_pipelines.errors import InputError, UpstreamError
-from triton_pipelines.onnx_runner import InputCache
-from triton_pipelines.speech import (
+from triton_pipelines.pipelines.onnx_runner import InputCache
+from triton_pipelines.pipelines.speech import (
     MAX_TARGET_POSITIONS,
     SAMPLE_RATE,
     SEAM_QUIET_SECONDS,

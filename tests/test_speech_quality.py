@@ -25,9 +25,9 @@ import pytest
 import soundfile
 
 from triton_pipelines.client import TritonClient, text_tensor
-from triton_pipelines.speech import (SAMPLE_RATE, WhisperTokenizer, audio_to_features, decode_audio,
+from triton_pipelines.pipelines.speech import (SAMPLE_RATE, WhisperTokenizer, audio_to_features, decode_audio,
                                      load_mel_filters, window_cuts)
-from triton_pipelines.speech_eval import (CORPUS, FasterWhisperGreedy, corpus_wer, join_clips, normalize_words,
+from tools.speech_eval import (CORPUS, FasterWhisperGreedy, corpus_wer, join_clips, normalize_words,
                                           speak, word_errors)
 
 from .conftest import PROJECT_ROOT, statistics_after

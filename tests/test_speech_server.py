@@ -15,7 +15,7 @@ import pytest
 import soundfile
 
 from triton_pipelines.client import InferenceServerException, TritonClient, text_tensor
-from triton_pipelines.speech import (SAMPLE_RATE, WhisperOnnx, WhisperTokenizer, audio_to_features,
+from triton_pipelines.pipelines.speech import (SAMPLE_RATE, WhisperOnnx, WhisperTokenizer, audio_to_features,
                                      join_transcript, load_mel_filters)
 
 from .conftest import statistics_after

@@ -9,7 +9,7 @@ from decimal import Decimal
 
 import pytest
 
-from triton_pipelines.spend_ledger import (KeyLimits, LimitExceeded, SpendLedger, call_cost_nusd, database_url,
+from triton_pipelines.gateway.ledger import (KeyLimits, LimitExceeded, SpendLedger, call_cost_nusd, database_url,
                                            nano_usd, usd, window_bounds)
 
 

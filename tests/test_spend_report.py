@@ -1,4 +1,4 @@
-"""``python -m triton_pipelines.spend``: spend by key, model and day, and the budgets left, as a
+"""``python -m triton_pipelines spend``: spend by key, model and day, and the budgets left, as a
 table, CSV and JSON, from a real SQLite ledger; never a secret."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import yaml
 
-from triton_pipelines.api_keys import KeyRing
-from triton_pipelines.spend import main
-from triton_pipelines.spend_ledger import KeyLimits, SpendLedger
+from triton_pipelines.gateway.keys import KeyRing
+from triton_pipelines.ops.spend_report import main
+from triton_pipelines.gateway.ledger import KeyLimits, SpendLedger
 
 SECRET = "sk-report-0123456789abcdef"
 
@@ -54,9 +54,9 @@ def test_table_csv_and_json(tmp_path, capsys):
 
 def test_the_command_runs_as_a_module(tmp_path):
     url, _ = ledger_and_keys(tmp_path)
-    out = subprocess.run([sys.executable, "-m", "triton_pipelines.spend", "--database", url],
+    out = subprocess.run([sys.executable, "-m", "triton_pipelines", "spend", "--database", url],
                          capture_output=True, text=True, check=True).stdout
     assert out.startswith("spend (sqlite:///") and "deepseek-v3.2" in out
-    missing = subprocess.run([sys.executable, "-m", "triton_pipelines.spend", "--state-dir", str(tmp_path / "none")],
+    missing = subprocess.run([sys.executable, "-m", "triton_pipelines", "spend", "--state-dir", str(tmp_path / "none")],
                              capture_output=True, text=True)
     assert missing.returncode == 2 and "no spend ledger" in missing.stderr

@@ -9,7 +9,7 @@ from repo_builder.text_pipeline import INTENTS_FILE, minilm_dir
 
 from .conftest import PROJECT_ROOT as ROOT
 from triton_pipelines.errors import InputError
-from triton_pipelines.text import (
+from triton_pipelines.pipelines.text import (
     LENGTH_BUCKETS,
     IntentPrototypes,
     TextTokenizer,
@@ -118,7 +118,7 @@ def test_intent_file_has_the_customer_support_intents():
 
 
 def test_parse_buckets():
-    from triton_pipelines.text import parse_buckets
+    from triton_pipelines.pipelines.text import parse_buckets
 
     assert parse_buckets("64, 16,32") == (16, 32, 64)
     assert parse_buckets("none") == ()
@@ -152,7 +152,7 @@ def length_runs_hold(lengths, grouping):
 def test_length_grouping_bounds_padding_and_tokens_per_run():
     from hypothesis import given, settings, strategies as st
 
-    from triton_pipelines.onnx_runner import LengthGrouping
+    from triton_pipelines.pipelines.onnx_runner import LengthGrouping
 
     grouping = LengthGrouping(length_input="attention_mask", max_batch_tokens=512)
 
@@ -169,7 +169,7 @@ def test_length_grouping_bounds_padding_and_tokens_per_run():
 
 
 def test_length_grouping_reads_row_lengths_from_the_mask():
-    from triton_pipelines.onnx_runner import LengthGrouping
+    from triton_pipelines.pipelines.onnx_runner import LengthGrouping
 
     mask = np.array([[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0]])
     assert LengthGrouping("attention_mask").row_lengths({"attention_mask": mask}, 5).tolist() == [3, 1, 5, 1]
@@ -180,7 +180,7 @@ def test_length_grouped_runs_equal_solo_runs_and_keep_each_request_shape():
     """Ragged batching: requests of different lengths (and several texts each) run as length-sorted
     runs; every request gets its own rows back, sequence outputs at its own width, and the values
     of a row alone (padding is masked)."""
-    from triton_pipelines.onnx_runner import LengthGrouping, OnnxBatchRunner
+    from triton_pipelines.pipelines.onnx_runner import LengthGrouping, OnnxBatchRunner
 
     onnx_path = served_encoder_onnx()
     tokenizer = TextTokenizer(minilm_dir() / "tokenizer.json", buckets=())
@@ -205,7 +205,7 @@ def test_length_grouped_runs_equal_solo_runs_and_keep_each_request_shape():
 def test_graph_pooling_equals_the_reference_pooling():
     """The encoder's ``embedding`` output (pooling in the ONNX graph) is ``mean_pool_normalize`` of
     its own ``last_hidden_state``, on a padded mixed batch; asking for one output computes only it."""
-    from triton_pipelines.onnx_runner import OnnxBatchRunner
+    from triton_pipelines.pipelines.onnx_runner import OnnxBatchRunner
 
     tokens = TextTokenizer(minilm_dir() / "tokenizer.json").encode(["short", "a medium length sentence", "x " * 90])
     runner = OnnxBatchRunner(served_encoder_onnx(), intra_op_threads=1)
@@ -224,7 +224,7 @@ def test_exported_encoder_matches_transformers_on_a_padded_mixed_batch():
     import torch
     from transformers import BertModel
 
-    from triton_pipelines.onnx_runner import OnnxBatchRunner
+    from triton_pipelines.pipelines.onnx_runner import OnnxBatchRunner
 
     onnx_path = served_encoder_onnx()
     tokens = TextTokenizer(minilm_dir() / "tokenizer.json").encode(

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from triton_pipelines.client import InferenceServerException, TritonClient, text_tensor
-from triton_pipelines.onnx_runner import OnnxBatchRunner
-from triton_pipelines.text import TextTokenizer, mean_pool_normalize
+from triton_pipelines.pipelines.onnx_runner import OnnxBatchRunner
+from triton_pipelines.pipelines.text import TextTokenizer, mean_pool_normalize
 
 from .conftest import statistics_after
 
@@ -121,7 +121,7 @@ def test_obvious_utterances_get_the_right_intent(client, utterance, intent):
 
 def test_classification_batch_agrees_with_its_own_embeddings(client, triton_server):
     """label/score equal the prototype scoring of the embeddings the server returns."""
-    from triton_pipelines.text import IntentPrototypes
+    from triton_pipelines.pipelines.text import IntentPrototypes
 
     texts = ["where is my package", "refund the double charge", "hey"]
     prototypes = IntentPrototypes.load(

@@ -20,8 +20,8 @@ from PIL import Image
 from tritonclient.grpc import model_config_pb2 as mc
 
 from triton_pipelines.errors import InputError
-from triton_pipelines.scoring import softmax, top_k
-from triton_pipelines.vision import (
+from triton_pipelines.pipelines.scoring import softmax, top_k
+from triton_pipelines.pipelines.vision import (
     IMAGENET_MEAN, IMAGENET_STD, Classifier, ImagePreprocessor, PreprocessConfig, center_crop_box,
     decode_to_rgb, imagenet_labels, parse_top_k, preprocess_image, resized_size, transform,
 )

@@ -1,5 +1,5 @@
 """The vision pipeline on the real embedded Triton server, over HTTP and gRPC, against an in-process
-reference: the same preprocessing (triton_pipelines.vision with Pillow), ONNX Runtime on the same
+reference: the same preprocessing (triton_pipelines.pipelines.vision with Pillow), ONNX Runtime on the same
 ``resnet50/1/model.onnx`` the server loaded, and the same label file."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import pytest
 from PIL import Image
 
 from triton_pipelines.client import InferenceServerException, TritonClient, text_tensor
-from triton_pipelines.onnx_runner import onnx_session
-from triton_pipelines.vision import Classifier, load_labels, preprocess_image
+from triton_pipelines.pipelines.onnx_runner import onnx_session
+from triton_pipelines.pipelines.vision import Classifier, load_labels, preprocess_image
 
 from .conftest import statistics_after
 

@@ -14,8 +14,8 @@ from tritonclient.grpc import model_config_pb2 as mc
 from repo_builder.__main__ import parse_context
 from repo_builder.compute import TARGETS
 from triton_pipelines.client import TritonClient
-from triton_pipelines.drain import dependencies
-from triton_pipelines.warmup import sample_inputs
+from triton_pipelines.server.drain import dependencies
+from triton_pipelines.server.warmup import sample_inputs
 
 
 @pytest.mark.parametrize("target", TARGETS)

@@ -11,7 +11,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from triton_pipelines.processes import free_ports
+from triton_pipelines.server.processes import free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 

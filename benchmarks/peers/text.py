@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 from fastapi import HTTPException, Request, Response
 
-from triton_pipelines.onnx_runner import LengthGrouping, OnnxBatchRunner
-from triton_pipelines.text import TextTokenizer
+from triton_pipelines.pipelines.onnx_runner import LengthGrouping, OnnxBatchRunner
+from triton_pipelines.pipelines.text import TextTokenizer
 
 from .batcher import MicroBatcher
 from .common import THREADS, body_items, make_app

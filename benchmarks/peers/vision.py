@@ -16,8 +16,8 @@ from fastapi import HTTPException, Request
 from fastapi.responses import JSONResponse
 
 from triton_pipelines.errors import InputError
-from triton_pipelines.onnx_runner import OnnxBatchRunner
-from triton_pipelines.vision import Classifier, ImagePreprocessor, PreprocessConfig, load_labels
+from triton_pipelines.pipelines.onnx_runner import OnnxBatchRunner
+from triton_pipelines.pipelines.vision import Classifier, ImagePreprocessor, PreprocessConfig, load_labels
 
 from .batcher import MicroBatcher
 from .common import THREADS, body_items, make_app

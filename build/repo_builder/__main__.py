@@ -37,7 +37,7 @@ def parse_context(argv=None) -> tuple[BuildContext, list]:
     unknown = sorted(set(names) - set(PIPELINES))
     if unknown:
         parser.error(f"unknown pipelines {unknown}; known: {list(PIPELINES)}")
-    from triton_pipelines.onnx_runner import PROVIDERS
+    from triton_pipelines.pipelines.onnx_runner import PROVIDERS
 
     unknown = set(args.embedded_execution_providers.split(",")) - set(PROVIDERS)
     if unknown:

@@ -21,7 +21,7 @@ from typing import Callable
 
 from tritonclient.grpc import model_config_pb2 as mc
 
-from triton_pipelines.onnx_runner import LengthGrouping
+from triton_pipelines.pipelines.onnx_runner import LengthGrouping
 from triton_pipelines.stub.heap import HEAP_KEEP_PARAMETER
 
 TARGETS = ("embedded", "gpu")
@@ -39,7 +39,7 @@ TRT_ACCELERATOR_PARAMETERS = (("precision_mode", "FP16"), ("max_workspace_size_b
 # instance that becomes idle does not wake it (rate_limiter.cc DequeuePayload), so a request that
 # arrives while the instance is busy can sit up to the batcher's 500 ms poll. Measured here: every
 # decoding step of a BLS loop behind a busy decoder, 1 in 8 stalled 500 ms. Back-pressure is the
-# public front's in-flight limit instead (triton_pipelines.proxy, docs/operations.md).
+# public front's in-flight limit instead (triton_pipelines.front.nginx_config, docs/operations.md).
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ class Pipeline:
     # Latency classes of Python models that drive compute models through BLS (see variants.py).
     python_latency_variants: dict[str, tuple[LatencyVariant, ...]] = {}
     # Python model → the config parameters the builder writes from the runtime module's constants
-    # (e.g. ``triton_pipelines.vision.CONFIG_PARAMETERS``: input limits and request defaults), the
+    # (e.g. ``triton_pipelines.pipelines.vision.CONFIG_PARAMETERS``: input limits and request defaults), the
     # one place those values live; the source configs leave them out.
     runtime_parameters: Mapping[str, Mapping[str, object]] = {}
 

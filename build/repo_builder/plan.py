@@ -42,7 +42,7 @@ from pathlib import Path
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from triton_pipelines.layout import PYTHON_SHM_DEFAULT_BYTES, PYTHON_SHM_GROWTH_BYTES, BuiltManifest, ShmCheck
+from triton_pipelines.repository.contract import PYTHON_SHM_DEFAULT_BYTES, PYTHON_SHM_GROWTH_BYTES, BuiltManifest, ShmCheck
 
 
 MiB = 1 << 20
@@ -66,7 +66,7 @@ CUDA_CONTEXT_BYTES = 512 * MiB  # per GPU: tritonserver's CUDA context with the 
 GPU_INSTANCE_BYTES = 128 * MiB  # per ONNX Runtime CUDA session: cuBLAS/cuDNN handles, workspaces
 GPU_ARENA_FACTOR = 2.0  # ONNX Runtime's CUDA arena, kNextPowerOfTwo (the onnxruntime backend default)
 TRT_ARENA_FACTOR = 1.0  # TensorRT sizes its execution context's memory exactly
-# The Python-backend shared memory the launcher gives tritonserver (triton_pipelines.layout).
+# The Python-backend shared memory the launcher gives tritonserver (triton_pipelines.repository.contract).
 SHM_DEFAULT_BYTES = PYTHON_SHM_DEFAULT_BYTES
 SHM_GROWTH_BYTES = PYTHON_SHM_GROWTH_BYTES
 
@@ -369,7 +369,7 @@ def bls_calls(config: mc.ModelConfig) -> list[tuple[str, int, dict[str, int]]]:
     ``encoder_max_batch_size`` windows; each decoder step for the windows decoded together
     (``speech.decode_group_size``), its self-attention K/V up to Whisper's 448 positions (unless
     the decoder keeps them: ``kept_in_callee``)."""
-    from triton_pipelines.speech import MAX_TARGET_POSITIONS, decode_group_size
+    from triton_pipelines.pipelines.speech import MAX_TARGET_POSITIONS, decode_group_size
 
     p = {key: value.string_value for key, value in config.parameters.items()}
     if "encoder_model" in p and "decoder_model" in p:
@@ -394,7 +394,7 @@ def kept_in_callee(caller: mc.ModelConfig, callee: mc.ModelConfig) -> dict[str, 
     embedded target) as bounds of 0, when the caller keys its calls (``decoder_input_cache``): the
     callee keeps them between the calls, so they never cross the caller's region (the first call's
     state is zero-length)."""
-    from triton_pipelines.onnx_runner import parse_state_pairs
+    from triton_pipelines.pipelines.onnx_runner import parse_state_pairs
 
     parameter = lambda config, key: config.parameters[key].string_value if key in config.parameters else ""  # noqa: E731
     if parameter(caller, "decoder_input_cache") != "true":

@@ -6,7 +6,7 @@ Layout written to ``output``::
     <model>/1/model.onnx            compute models (exported once, re-exported when their hash changes)
     <model>/1/model.py              Python models (and, on the embedded target, compute runners)
     <model>/1/<assets>              tokenizer.json, prototypes, label files ...
-    .built                          JSON (triton_pipelines.layout.BuiltManifest): target, the models,
+    .built                          JSON (triton_pipelines.repository.contract.BuiltManifest): target, the models,
                                     what the launcher, the rollout and the planner read (public models,
                                     compute-model facts, the /dev/shm the stubs may hold)
 """
@@ -21,7 +21,7 @@ import time
 from importlib.metadata import version
 from pathlib import Path
 
-from triton_pipelines.layout import BuiltManifest, ComputeModelFacts, variant_name
+from triton_pipelines.repository.contract import BuiltManifest, ComputeModelFacts, variant_name
 
 from .compute import ComputeModel
 from .files import is_fresh, make_readable, mark_fresh, read_config, replace_dir, write_config

@@ -18,8 +18,8 @@ from pathlib import Path
 
 from tritonclient.grpc import model_config_pb2 as mc
 
-from triton_pipelines import speech
-from triton_pipelines.speech import cross_names
+from triton_pipelines.pipelines import speech
+from triton_pipelines.pipelines.speech import cross_names
 from triton_pipelines.stub.heap import HEAP_KEEP_PARAMETER
 
 from .compute import ComputeModel, LatencyVariant, TensorSpec

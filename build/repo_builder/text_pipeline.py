@@ -11,8 +11,8 @@ from pathlib import Path
 
 from tritonclient.grpc import model_config_pb2 as mc
 
-from triton_pipelines import text
-from triton_pipelines.onnx_runner import LengthGrouping
+from triton_pipelines.pipelines import text
+from triton_pipelines.pipelines.onnx_runner import LengthGrouping
 
 from .compute import ComputeModel, TensorSpec
 from .export.bert import export_bert
@@ -125,8 +125,8 @@ class TextPipeline(Pipeline):
 def intent_prototypes(intents_file: Path, encoder_onnx: Path, tokenizer_json: Path):
     """Embed each intent's example phrases with the served encoder: the same tokenizer, ONNX graph
     and pooling as the pipeline, so prototypes and requests live in one embedding space."""
-    from triton_pipelines.onnx_runner import OnnxBatchRunner
-    from triton_pipelines.text import IntentPrototypes, TextTokenizer, load_intent_examples
+    from triton_pipelines.pipelines.onnx_runner import OnnxBatchRunner
+    from triton_pipelines.pipelines.text import IntentPrototypes, TextTokenizer, load_intent_examples
 
     examples, temperature = load_intent_examples(intents_file)
     tokenizer = TextTokenizer(tokenizer_json)

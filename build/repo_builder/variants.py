@@ -33,8 +33,8 @@ from typing import Callable
 
 from tritonclient.grpc import model_config_pb2 as mc
 
-from triton_pipelines.ensemble_graph import EnsembleGraph
-from triton_pipelines.layout import STABLE_VERSION, variant_name
+from triton_pipelines.repository.ensemble_graph import EnsembleGraph
+from triton_pipelines.repository.contract import STABLE_VERSION, variant_name
 
 from .compute import ComputeModel, LatencyVariant
 from .files import hash_files, is_fresh, mark_fresh, read_config, write_config

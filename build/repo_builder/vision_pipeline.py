@@ -17,7 +17,7 @@ import argparse
 from functools import partial
 from pathlib import Path
 
-from triton_pipelines import vision
+from triton_pipelines.pipelines import vision
 
 from .compute import GPU_BACKENDS, ComputeModel, TensorSpec
 from .export.resnet import IMAGE_SIZE, NUM_CLASSES, RANDOM_SEED, export_resnet50
@@ -78,6 +78,6 @@ def class_labels(context: BuildContext) -> list[str]:
         labels = [str(id2label.get(str(i), "")) for i in range(NUM_CLASSES)]
         if all(labels) and not all(label.startswith("LABEL_") for label in labels):
             return labels
-    from triton_pipelines.vision import imagenet_labels
+    from triton_pipelines.pipelines.vision import imagenet_labels
 
     return imagenet_labels()

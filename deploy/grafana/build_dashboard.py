@@ -207,7 +207,7 @@ def model_rows(layout: Layout) -> None:
     layout.timeseries("Spend per API key and model, last hour", [
         ("key_name_model:router_spend_usd:increase1h", "{{key_name}} {{model}}"),
     ], "currencyUSD", "USD settled in the spend ledger per key and model (router_spend_usd_total); "
-                      "python -m triton_pipelines.spend has the ledger's full report.")
+                      "python -m triton_pipelines spend has the ledger's full report.")
     layout.timeseries("Budget left per API key", [
         ("key_name:router_budget_remaining_usd:min", "{{key_name}} left"),
         ("key_name:router_key_window_spend_usd:max", "{{key_name}} spent this window"),

@@ -1,9 +1,9 @@
 """Encoded audio bytes → Whisper log-mel windows ``[windows, n_mels, 3000]`` per item.
 
-Decoding, downmix, resampling and the spectrogram live in ``triton_pipelines.speech``; a bad item
+Decoding, downmix, resampling and the spectrogram live in ``triton_pipelines.pipelines.speech``; a bad item
 fails its own request only."""
 
-from triton_pipelines.speech import audio_to_features, load_mel_filters, pad_windows
+from triton_pipelines.pipelines.speech import audio_to_features, load_mel_filters, pad_windows
 from triton_pipelines.stub.model_args import model_parameters, version_dir
 from triton_pipelines.stub.responses import input_array, respond
 

@@ -3,7 +3,7 @@ Class names are read from labels.txt, written by the repository builder."""
 
 from triton_pipelines.stub.model_args import model_parameters, version_dir
 from triton_pipelines.stub.responses import input_array, request_parameters, respond
-from triton_pipelines.vision import Classifier, load_labels, parse_top_k
+from triton_pipelines.pipelines.vision import Classifier, load_labels, parse_top_k
 
 
 class TritonPythonModel:

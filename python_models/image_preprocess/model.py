@@ -1,4 +1,4 @@
-"""Encoded images → normalized NCHW FP32 (triton_pipelines.vision). All images of the dynamic batch
+"""Encoded images → normalized NCHW FP32 (triton_pipelines.pipelines.vision). All images of the dynamic batch
 are decoded in this one execute on the preprocessor's thread pool; a bad image fails only its request.
 
 Custom metrics (Triton's /metrics): image_preprocess_decode_duration_us and
@@ -7,7 +7,7 @@ image_preprocess_transform_duration_us, summed over images, split the model's co
 from triton_pipelines.stub.metrics import PreprocessMetrics
 from triton_pipelines.stub.model_args import model_parameters
 from triton_pipelines.stub.responses import input_array, respond
-from triton_pipelines.vision import ImagePreprocessor, PreprocessConfig
+from triton_pipelines.pipelines.vision import ImagePreprocessor, PreprocessConfig
 
 
 class TritonPythonModel:

@@ -5,7 +5,7 @@ encoder and loaded once here; a request costs one [batch, dim] x [dim, intents] 
 
 from triton_pipelines.stub.model_args import version_dir
 from triton_pipelines.stub.responses import input_array, respond
-from triton_pipelines.text import IntentPrototypes
+from triton_pipelines.pipelines.text import IntentPrototypes
 
 
 class TritonPythonModel:

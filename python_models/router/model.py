@@ -2,7 +2,7 @@
 
 ``execute`` starts one task per request and returns at once; each task answers through its own
 response sender, so no request waits for another (a slow gateway call holds up nothing else).
-Logic: ``triton_pipelines.router_service`` (handling, bounds, deadlines), ``routing`` (parsing,
+Logic: ``triton_pipelines.pipelines.router_service`` (handling, bounds, deadlines), ``routing`` (parsing,
 routes, canary), ``gateway_service`` (keys, budgets, spend ledger, fallbacks), ``gateway``."""
 
 import asyncio
@@ -10,10 +10,10 @@ import os
 
 import triton_python_backend_utils as pb_utils
 
-from triton_pipelines.api_keys import KEY_ID_PARAMETER
-from triton_pipelines.gateway_service import GatewayService
-from triton_pipelines.router_service import RouterService
-from triton_pipelines.routing import Router, RouteTable, SplitFile
+from triton_pipelines.gateway.keys import KEY_ID_PARAMETER
+from triton_pipelines.gateway.service import GatewayService
+from triton_pipelines.pipelines.router_service import RouterService
+from triton_pipelines.pipelines.routing import Router, RouteTable, SplitFile
 from triton_pipelines.stub.bls import call_async
 from triton_pipelines.stub.metrics import RouterMetrics
 from triton_pipelines.stub.model_args import model_parameters, version_dir

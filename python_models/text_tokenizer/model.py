@@ -1,9 +1,9 @@
 """Text → BERT token ids, padded to the request's longest text, or to a length bucket where the encoder
-needs equal shapes (gpu target: src/triton_pipelines/text.py)."""
+needs equal shapes (gpu target: src/triton_pipelines/pipelines/text.py)."""
 
 from triton_pipelines.stub.model_args import model_parameters, version_dir
 from triton_pipelines.stub.responses import input_array, respond
-from triton_pipelines.text import TextTokenizer, decode_texts
+from triton_pipelines.pipelines.text import TextTokenizer, decode_texts
 
 
 class TritonPythonModel:

@@ -8,10 +8,10 @@ tensors; on the embedded target, where every BLS input is copied into the callee
 step sends them and later steps name the decoder's cached copy (``input_cache_key``); there the
 decoder also keeps the self-attention K/V between steps (later steps send only the new tokens and
 get only the logits). Request parsing, the decoding loop and the outputs:
-``triton_pipelines.speech`` (``plan_request``, ``GreedyDecoder``, ``transcript_outputs``); the BLS
+``triton_pipelines.pipelines.speech`` (``plan_request``, ``GreedyDecoder``, ``transcript_outputs``); the BLS
 calls: ``triton_pipelines.stub.whisper``."""
 
-from triton_pipelines.speech import decode_jobs, plan_request, transcript_outputs
+from triton_pipelines.pipelines.speech import decode_jobs, plan_request, transcript_outputs
 from triton_pipelines.stub.responses import input_array, respond
 from triton_pipelines.stub.whisper import WhisperBls
 

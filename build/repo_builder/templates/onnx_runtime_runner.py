@@ -3,11 +3,11 @@ folder on the embedded target (``model_repository/<model>/<version>/model.py``).
 backend runs the model's ONNX file with ONNX Runtime on the CPU, with the same name, tensors and
 batching as the native ``onnxruntime_onnx`` model of the gpu target (the embedded tritonserver has
 no ONNX Runtime backend). The builder generates the config. Logic, the input cache included:
-``triton_pipelines.onnx_runner.EmbeddedComputeModel``."""
+``triton_pipelines.pipelines.onnx_runner.EmbeddedComputeModel``."""
 
 import json
 
-from triton_pipelines.onnx_runner import EmbeddedComputeModel
+from triton_pipelines.pipelines.onnx_runner import EmbeddedComputeModel
 from triton_pipelines.stub.heap import keep_freed_heap
 from triton_pipelines.stub.model_args import model_parameters, version_dir
 from triton_pipelines.stub.responses import input_array, request_parameters, respond

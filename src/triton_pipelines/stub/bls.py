@@ -12,8 +12,8 @@ from typing import Mapping, Sequence
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from ..errors import INPUT_ERROR_PREFIX, UpstreamError
-from ..routing import RouteError
+from triton_pipelines.errors import INPUT_ERROR_PREFIX, UpstreamError
+from triton_pipelines.pipelines.routing import RouteError
 
 # Messages of Triton's own refusals (2.51) that mean "not now" rather than "broken".
 _UNAVAILABLE_MESSAGES = ("Exceeds maximum queue size", "Request timeout expired", "Server is stopping",

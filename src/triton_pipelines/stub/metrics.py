@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Mapping
 import triton_python_backend_utils as pb_utils
 
 if TYPE_CHECKING:
-    from ..gateway import Completion
-    from ..routing import RoutedRequest
+    from triton_pipelines.gateway.upstream import Completion
+    from triton_pipelines.pipelines.routing import RoutedRequest
 
 LATENCY_BUCKETS_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
 

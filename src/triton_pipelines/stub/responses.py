@@ -14,8 +14,8 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from ..errors import INPUT_ERROR_PREFIX, InputError
-from ..router_service import error_kind
+from triton_pipelines.errors import INPUT_ERROR_PREFIX, InputError
+from triton_pipelines.pipelines.router_service import error_kind
 
 Outputs = Mapping[str, np.ndarray]  # output name → array (the request's rows)
 

@@ -1,6 +1,6 @@
 """Greedy Whisper decoding over BLS, shared by ``whisper_decode`` and ``speech_recognition_stream``:
 their parameters, the Whisper tokenizer, one encoder pass per group of windows and one
-``whisper_decoder`` call per step (``triton_pipelines.speech.GreedyDecoder``).
+``whisper_decoder`` call per step (``triton_pipelines.pipelines.speech.GreedyDecoder``).
 
 The cross-attention K/V do not change between steps: on the gpu target they are passed on as the
 encoder response's own (device) tensors; on the embedded target, where every BLS input and output
@@ -14,10 +14,10 @@ import os
 
 import triton_python_backend_utils as pb_utils
 
-from ..speech import GreedyDecoder, WhisperTokenizer, cross_names, decode_group_size
-from .bls import call, gather_rows
-from .heap import keep_freed_heap
-from .model_args import model_parameters, version_dir
+from triton_pipelines.pipelines.speech import GreedyDecoder, WhisperTokenizer, cross_names, decode_group_size
+from triton_pipelines.stub.bls import call, gather_rows
+from triton_pipelines.stub.heap import keep_freed_heap
+from triton_pipelines.stub.model_args import model_parameters, version_dir
 
 
 class WhisperBls:

@@ -1,0 +1,371 @@
+"""The public front of the server: nginx in front of ``tritonserver`` on both run modes.
+
+Why a proxy: ``tritonserver`` 2.51 parses an HTTP request's JSON with a recursive parser on a
+thread stack and has no option that bounds it. A JSON body of about 4 MiB, or one nested about
+104,000 deep (208 KB), kills the whole server with SIGSEGV. Nothing but a proxy can refuse such a
+request before Triton reads it. Triton itself listens on loopback only; nginx owns the public ports
+and enforces, before anything is copied into Triton:
+
+- HTTP: ``/v2/models/<m>/infer`` bodies at most ``max_body_bytes``; the JSON part of a request
+  (the whole body, or the ``Inference-Header-Content-Length`` bytes of a binary request) at most
+  ``max_json_bytes``; no ``Content-Encoding`` (a compressed body could inflate past both limits).
+  Over a limit: 413 with a JSON error that names the limit and the remedy.
+- gRPC (HTTP/2): every message at most ``max_body_bytes``; over it, ``RESOURCE_EXHAUSTED``.
+- Inference requests in flight, both ports together: at most ``max_inflight``; one more is refused
+  at once with 503 (``Retry-After: 1``) / ``UNAVAILABLE``. HTTP requests are counted once nginx has
+  their whole body (a loopback "gate" server after the public one), so slow senders hold no place;
+  a gRPC request is counted from its headers (its message streams through to Triton).
+- Inference requests go to each replica's request screen (``screen_server.py``), which reads the
+  body nginx cannot (crashers inside the size limits, non-public models); the rest goes to Triton.
+- One client (its address) holds at most ``max_inflight_per_client`` of those places, and one
+  HTTP/2 connection at most 128 streams; the request line and each header at most 8 KiB.
+- Only the public APIs pass (health, metadata, config, statistics, inference). The model-repository,
+  shared-memory, logging and trace APIs answer 403 / ``PERMISSION_DENIED`` here on both protocols;
+  they are also restricted with a key inside Triton (``control.py``), reachable on loopback only.
+- Metrics (``/metrics`` on the metrics port) and readiness come from the launcher's status server,
+  which adds its own counters and sees dead Python stubs (``status_server.py``).
+
+The configuration is the template ``templates/nginx.conf`` (``%%name`` fields, see ``NginxTemplate``)
+rendered by ``render_config`` from a ``ProxyConfig``, with every answer's text in ``MESSAGES``;
+``tests/test_proxy_config.py`` pins the rendered text and ``ProxyProcess.validate`` runs ``nginx -t``
+on it before nginx starts or reloads. nginx runs in the foreground as a child of the launcher, which
+restarts it if it dies.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import string
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from triton_pipelines.server.processes import child_pids, spawn
+
+# The JSON part of an HTTP request: Triton 2.51 crashes at ~4 MiB of flat JSON and at a nesting
+# depth of ~104,000 (~208 KB). 128 KiB can nest at most 65,536 deep; anything larger goes binary.
+DEFAULT_MAX_JSON_BYTES = 128 * 1024
+# A whole request, binary tensors included: the largest legal input, a 64 MiB audio file
+# (speech.MAX_AUDIO_BYTES; tests/test_proxy_config.py holds them equal).
+DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
+# Inference requests in flight through both public ports together (every replica behind them):
+# the back-pressure of the whole server. The models have no queue policy (a Triton 2.51 policy
+# stalls its batcher, build/repo_builder/compute.py), so this bounds every queue behind the front.
+DEFAULT_MAX_INFLIGHT = 256
+
+# Public HTTP endpoints (KServe v2 + Triton's statistics/config extensions). Anything else is 404,
+# the control APIs 403.
+# Model names are at most 256 characters (ours are short); longer URLs never reach Triton.
+_MODEL = r"/v2/models/[^/]{1,256}(/versions/[0-9]{1,19})?"
+CONTROL_HTTP_PATTERN = (r"^/v2/(repository|systemsharedmemory|cudasharedmemory|logging|trace)(/|$)"
+                        r"|^/v2/models/[^/]+(/versions/[0-9]+)?/trace/")
+# gRPC methods that pass to Triton; ModelInfer and ModelStreamInfer (decoupled models: their body
+# limit applies to the whole stream) go through the screen; every other GRPCInferenceService method
+# is a control API.
+PUBLIC_GRPC_METHODS = ("ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata",
+                       "ModelInfer", "ModelConfig", "ModelStatistics")
+GRPC_SERVICE = "inference.GRPCInferenceService"
+# gRPC status codes
+GRPC_PERMISSION_DENIED = 7
+GRPC_RESOURCE_EXHAUSTED = 8
+GRPC_UNIMPLEMENTED = 12
+GRPC_UNAVAILABLE = 14
+# nginx's buffers for the request line and each header: longer ones are refused with 400.
+HEADER_BUFFER_KB = 8
+
+
+def nginx_binary() -> str:
+    found = shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx")
+                                           if os.access(p, os.X_OK)), None)
+    if found is None:
+        raise RuntimeError("nginx is not installed: `make install` installs it (Debian package nginx-core); "
+                           "the container image has it")
+    return found
+
+
+def regex_at_most(limit: int) -> str:
+    """A regular expression matching the decimal numbers 0..``limit`` (leading zeros allowed):
+    nginx ``map`` cannot compare numbers, so the JSON-header limit is a pattern."""
+    digits = str(limit)
+    branches = [rf"[0-9]{{1,{len(digits) - 1}}}"] if len(digits) > 1 else []
+    for i, digit in enumerate(digits):  # same prefix, a smaller digit here, anything after
+        if digit != "0":
+            rest = len(digits) - i - 1
+            smaller = "0" if digit == "1" else f"[0-{int(digit) - 1}]"
+            branches.append(digits[:i] + smaller + (f"[0-9]{{{rest}}}" if rest else ""))
+    branches.append(digits)
+    return "^0*(" + "|".join(branches) + ")$"
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    listen_address: str
+    http_port: int
+    grpc_port: int
+    metrics_port: int
+    # tritonserver's loopback ports, one per replica in service (round robin between them)
+    triton_http_ports: tuple[int, ...]
+    triton_grpc_ports: tuple[int, ...]
+    # The request screen of each of those replicas (screen_server.py): inference goes through it.
+    screen_http_ports: tuple[int, ...]
+    screen_grpc_ports: tuple[int, ...]
+    status_port: int  # the launcher's status server: /metrics and /v2/health/*
+    # Loopback port of the in-flight gate: HTTP inference requests reach it with their whole body
+    # read, so a client that sends its body slowly cannot hold one of the max_inflight places.
+    gate_port: int
+    state_dir: Path  # pid file, temp bodies
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_json_bytes: int = DEFAULT_MAX_JSON_BYTES
+    max_inflight: int = DEFAULT_MAX_INFLIGHT
+    # One client's share of max_inflight (its address; 0: no share), so one greedy client is refused
+    # before its neighbours are. Behind a proxy or NAT every client has the proxy's address: raise it.
+    max_inflight_per_client: int = 0
+    workers: int = 1
+    # Long enough for the slowest legal request (300 s of audio at saturation).
+    upstream_timeout_s: int = 300
+    run_as: str | None = None  # the worker user when nginx starts as root
+    # The OpenAI-compatible frontend (openai_server.py) that /v1/ goes to; 0: none (/v1 answers 503).
+    openai_port: int = 0
+
+
+def default_worker_user() -> str | None:
+    """Who nginx's workers run as: nobody when started as root (nginx switches only then)."""
+    return "nobody nogroup" if os.geteuid() == 0 else None
+
+
+# What the front answers, one entry per refusal: str.format fields from ``_message_values``. HTTP
+# answers carry them as {"error": ...} (Triton's own shape), gRPC ones as grpc-message.
+BINARY_HINT = ("send tensor data in binary form (tritonclient: binary_data=True, the default for "
+               "set_data_from_numpy; raw HTTP: the Inference-Header-Content-Length extension) or use gRPC")
+MESSAGES = {
+    "too_large": "request body exceeds the server's limit of {max_body_bytes} bytes ({body_mb})",
+    "json_too_large": "the JSON part of a request is limited to {max_json_bytes} bytes ({json_kb}): {binary_hint}",
+    "bad_header_length": "Inference-Header-Content-Length must be a decimal number of bytes, at most "
+                         "{max_json_bytes} ({json_kb}): {binary_hint}",
+    "encoding": "compressed request bodies (Content-Encoding) are not accepted: send the body uncompressed",
+    "grpc_encoding": "compressed gRPC messages (grpc-encoding) are not accepted: send them uncompressed",
+    "header_too_large": "a request header is longer than {header_buffer_kb} KiB",
+    "control": "this API is not available on the public port: the model-repository, shared-memory, "
+               "logging and trace APIs are restricted to the server's own host",
+    "not_found": "not found",
+    "method": "method not allowed",
+    "unavailable": "the inference server is starting or restarting: retry shortly",
+    "overloaded": "the server is at its limit of {max_inflight} inference requests in flight: retry shortly",
+    # gRPC has one overload answer for both counts (HTTP tells them apart, below)
+    "grpc_overloaded": "the server is at its limit of {max_inflight} inference requests in flight: retry shortly",
+    "grpc_overloaded_per_client": "the server is at its limit of {max_inflight} inference requests in flight, "
+                                  "or this client (its address) at its share of {max_inflight_per_client}: "
+                                  "retry shortly",
+    "client_overloaded": "this client (its address) is at its limit of {max_inflight_per_client} "
+                         "inference requests in flight: retry shortly",
+    "grpc_unknown_method": "unknown gRPC method",
+}
+# The HTTP answers the template holds as nginx string literals (%%json_<key>).
+HTTP_MESSAGES = ("too_large", "json_too_large", "bad_header_length", "encoding", "header_too_large", "control",
+                 "not_found", "method", "unavailable", "overloaded", "client_overloaded")
+
+
+class NginxTemplate(string.Template):
+    """``string.Template`` with ``%%`` as its delimiter (``%%name``, ``%%{name}``): nginx's own
+    variables are written ``$name``, and ``%%`` appears nowhere in an nginx configuration."""
+
+    delimiter = "%%"
+
+
+# The configuration text: templates/nginx.conf, shipped with the package (pyproject package-data).
+TEMPLATE = Path(__file__).parent / "templates" / "nginx.conf"
+
+
+def _json_error(message: str) -> str:
+    """An nginx string literal holding ``{"error": message}`` (Triton's own error shape)."""
+    return "'" + json.dumps({"error": message}).replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def _message_values(config: ProxyConfig) -> dict[str, object]:
+    return {"max_body_bytes": config.max_body_bytes, "body_mb": f"{config.max_body_bytes / 2**20:g} MiB",
+            "max_json_bytes": config.max_json_bytes, "json_kb": f"{config.max_json_bytes // 1024} KiB",
+            "binary_hint": BINARY_HINT, "header_buffer_kb": HEADER_BUFFER_KB, "max_inflight": config.max_inflight,
+            "max_inflight_per_client": config.max_inflight_per_client}
+
+
+def messages(config: ProxyConfig) -> dict[str, str]:
+    """``MESSAGES`` for ``config``'s limits; ``grpc_overloaded`` names the client's share when there is one."""
+    values = _message_values(config)
+    texts = {key: text.format(**values) for key, text in MESSAGES.items()}
+    if config.max_inflight_per_client:
+        texts["grpc_overloaded"] = texts["grpc_overloaded_per_client"]
+    return texts
+
+
+# /v1 answers in OpenAI's error shape: key → (message key in MESSAGES, OpenAI type, code).
+OPENAI_ERRORS = {"too_large": ("too_large", "invalid_request_error", "request_too_large"),
+                 "client_overloaded": ("client_overloaded", "rate_limit_error", "rate_limit_exceeded"),
+                 "overloaded": ("overloaded", "rate_limit_error", "rate_limit_exceeded"),
+                 "unavailable": ("unavailable", "server_error", "service_unavailable")}
+
+
+def _openai_error(message: str, kind: str, code: str) -> str:
+    """An nginx string literal holding OpenAI's error shape."""
+    body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}})
+    return "'" + body.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def _servers(ports: tuple[int, ...]) -> str:
+    # A replica that refuses a connection (restarting, retired) is skipped for the next one:
+    # nginx retries only what it has not sent (POST is not idempotent).
+    return "\n".join(f"        server 127.0.0.1:{port} max_fails=0;" for port in ports)
+
+
+def render_config(config: ProxyConfig, temp_dir: Path | None = None) -> str:
+    """nginx.conf for the public ports (see the module docstring) from templates/nginx.conf; the
+    workers' temp folders (large request bodies) under ``temp_dir``, by default the state folder."""
+    address = config.listen_address
+    if ":" in address and not address.startswith("["):
+        address = f"[{address}]"
+    texts = messages(config)
+    per_client = config.max_inflight_per_client
+    values = {
+        **texts,
+        **{f"json_{key}": _json_error(texts[key]) for key in HTTP_MESSAGES},
+        "user_line": f"user {config.run_as};\n" if config.run_as else "",
+        "workers": config.workers,
+        "state": config.state_dir.resolve(),
+        "temp": (temp_dir or config.state_dir).resolve(),
+        "header_buffer_kb": HEADER_BUFFER_KB,
+        "json_header_length_pattern": regex_at_most(config.max_json_bytes),
+        "triton_http_servers": _servers(config.triton_http_ports),
+        "triton_grpc_servers": _servers(config.triton_grpc_ports),
+        "screen_http_servers": _servers(config.screen_http_ports),
+        "screen_grpc_servers": _servers(config.screen_grpc_ports),
+        **{f"openai_error_{key}": _openai_error(texts[message], kind, code)
+           for key, (message, kind, code) in OPENAI_ERRORS.items()},
+        "openai_servers": _servers((config.openai_port,)) if config.openai_port
+        else "        server 127.0.0.1:1 down;",
+        "gate_port": config.gate_port,
+        "status_port": config.status_port,
+        "upstream_timeout_s": config.upstream_timeout_s,
+        "address": address,
+        "http_port": config.http_port,
+        "grpc_port": config.grpc_port,
+        "metrics_port": config.metrics_port,
+        "max_body_bytes": config.max_body_bytes,
+        "max_json_bytes": config.max_json_bytes,
+        "max_inflight": config.max_inflight,
+        # One client's in-flight count, by its address: counted from its headers (a client that sends
+        # its body slowly holds only its own places), before the server's count in the gate.
+        "client_limit": f"limit_conn perclient {per_client};" if per_client else "",
+        "model_path": _MODEL,
+        "control_http_pattern": CONTROL_HTTP_PATTERN,
+        "grpc_service": GRPC_SERVICE,
+        "grpc_service_pattern": GRPC_SERVICE.replace(".", "\\."),
+        "public_grpc_methods": "|".join(PUBLIC_GRPC_METHODS),
+        "grpc_permission_denied": GRPC_PERMISSION_DENIED,
+        "grpc_resource_exhausted": GRPC_RESOURCE_EXHAUSTED,
+        "grpc_unimplemented": GRPC_UNIMPLEMENTED,
+        "grpc_unavailable": GRPC_UNAVAILABLE,
+    }
+    return NginxTemplate(TEMPLATE.read_text()).substitute(values)
+
+
+TEMP_FOLDERS = ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
+
+
+def worker_temp_dir(state: Path, run_as: str | None) -> Path:
+    """Where nginx's workers write request bodies larger than their buffer. Started as root, the
+    workers run as ``run_as`` and must reach the folder: the state folder may sit under a private
+    one (/root, a 0700 temp folder), so they get a folder of their own under the system's temp
+    folder (world-traversable), owned by them."""
+    if not run_as:
+        for name in TEMP_FOLDERS:
+            (state / name).mkdir(exist_ok=True)
+        return state
+    import pwd
+
+    user = pwd.getpwnam(run_as.split()[0])
+    temp = Path(tempfile.mkdtemp(prefix="triton-proxy-"))
+    os.chmod(temp, 0o711)  # traverse, not list
+    for name in TEMP_FOLDERS:
+        (temp / name).mkdir(mode=0o700)
+        os.chown(temp / name, user.pw_uid, user.pw_gid)
+    return temp
+
+
+class ProxyProcess:
+    """nginx in the foreground with a generated configuration under ``config.state_dir``."""
+
+    def __init__(self, config: ProxyConfig, stdout=None, stderr=None):
+        self.config = config
+        state = config.state_dir
+        state.mkdir(parents=True, exist_ok=True)
+        self.temp_dir = worker_temp_dir(state, config.run_as)
+        self.config_path = state / "nginx.conf"
+        self.config_path.write_text(render_config(config, self.temp_dir))
+        self.binary = nginx_binary()
+        self.validate(self.config_path, state)
+        self.stdout, self.stderr = stdout, stderr
+        self.process = self._start()
+
+    def validate(self, path: Path, prefix: Path) -> None:
+        """``nginx -t`` on the configuration at ``path`` (``prefix``: the state folder); raises if invalid."""
+        check = subprocess.run([self.binary, *self._error_log(), "-t", "-q", "-p", str(prefix), "-c", str(path)],
+                               capture_output=True, text=True)
+        if check.returncode != 0:
+            raise RuntimeError(f"the generated nginx configuration is invalid: {check.stderr.strip()}")
+
+    def _error_log(self) -> list[str]:
+        """``-e stderr`` (nginx >= 1.19.5): a non-root nginx would first try /var/log/nginx/error.log."""
+        version = subprocess.run([self.binary, "-v"], capture_output=True, text=True).stderr
+        found = re.search(r"nginx/(\d+)\.(\d+)\.(\d+)", version)
+        return ["-e", "stderr"] if found and tuple(map(int, found.groups())) >= (1, 19, 5) else []
+
+    def _start(self) -> subprocess.Popen:
+        return spawn([self.binary, *self._error_log(), "-p", str(self.config.state_dir), "-c", str(self.config_path)],
+                     stdout=self.stdout, stderr=self.stderr, start_new_session=True)
+
+    def restart(self) -> None:
+        self._stop_process()
+        self.process = self._start()
+
+    def reconfigure(self, config: ProxyConfig, timeout_s: float = 60, wait: bool = True) -> None:
+        """New upstreams (replicas in service) without dropping a request: nginx's graceful reload
+        starts workers on the new configuration while the old ones finish what they are serving.
+        Returns when the old workers are gone (no request is on its way to a removed upstream), or at
+        once with ``wait=False`` (the supervisor's reconcile pass, which never waits)."""
+        text = render_config(config, self.temp_dir)
+        if text == self.config_path.read_text():
+            return
+        old_workers = set(child_pids(self.process.pid))
+        candidate = self.config_path.with_suffix(".next")
+        candidate.write_text(text)
+        self.validate(candidate, config.state_dir)
+        os.replace(candidate, self.config_path)
+        self.config = config
+        self.process.send_signal(signal.SIGHUP)
+        if not wait:
+            return
+        deadline = time.monotonic() + timeout_s
+        while old_workers & set(child_pids(self.process.pid)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def stop(self, timeout_s: float = 10) -> None:
+        self._stop_process(timeout_s)
+        if self.temp_dir != self.config.state_dir:
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+    def _stop_process(self, timeout_s: float = 10) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGQUIT)  # graceful: finish requests in flight
+            try:
+                self.process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()

@@ -1,0 +1,426 @@
+"""The request screen's servers: one process per tritonserver replica, between nginx and Triton.
+
+nginx sends every inference request here (HTTP ``/v2/models/<m>/infer`` with its whole body, gRPC
+``ModelInfer``); each is checked (``screen.py``) and either refused with a clear error or forwarded,
+byte for byte, to its replica's loopback ports. Triton's answer comes back unchanged, except that
+a request that met a dead Python stub becomes a retryable 503 / ``UNAVAILABLE``. Metadata, health
+and statistics go from nginx to Triton directly.
+
+    python -m triton_pipelines screen --http-port P --grpc-port Q \\
+        --triton-http 127.0.0.1:A --triton-grpc 127.0.0.1:B --max-body-bytes N [--public-models-file F]
+
+HTTP from nginx is well-formed HTTP/1.1 with a ``Content-Length`` (nginx buffered the body); the
+forwarder speaks exactly that, with a pool of keep-alive connections to Triton.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import signal
+import sys
+from pathlib import Path
+from urllib.parse import unquote
+
+from triton_pipelines.gateway.keys import KEY_ID_PARAMETER, KeyRing, bearer_secret, keys_from_environment
+from triton_pipelines.errors import REFUSAL_STATUSES, parse_refusal
+from triton_pipelines.front.screen import ScreenError, ScreenPolicy, check_grpc_request, check_http_request, restarting_model_message
+
+GRPC_INFER_METHOD = "/inference.GRPCInferenceService/ModelInfer"
+# Streaming inference (decoupled models: speech_recognition_stream): every request message of the
+# stream is screened like a ModelInfer request before it is forwarded.
+GRPC_STREAM_METHOD = "/inference.GRPCInferenceService/ModelStreamInfer"
+_INFER_PATH = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]*))?/infer$")
+_HOP_HEADERS = {b"connection", b"keep-alive", b"transfer-encoding", b"te", b"upgrade", b"proxy-connection"}
+# The only request headers Triton's inference endpoint reads; no other client header reaches it.
+_FORWARDED_HEADERS = {b"host", b"content-type", b"inference-header-content-length", b"accept-encoding"}
+UPSTREAM_TIMEOUT_S = 300.0
+IDLE_UPSTREAM_CONNECTIONS = 64
+# The model whose requests carry an API key (gateway tasks: budgets, limits, the spend ledger).
+KEYED_MODEL = "router"
+_TRANSPORT_FAILURE = re.compile(r"failed to connect|connection refused|socket closed|connection reset|"
+                                r"Broken pipe|endpoint is closed", re.IGNORECASE)
+
+
+def http_response(status: int, body: bytes, extra: list[tuple[bytes, bytes]] = ()) -> bytes:
+    reason = {200: b"OK", 400: b"Bad Request", 401: b"Unauthorized", 403: b"Forbidden", 404: b"Not Found",
+              411: b"Length Required", 429: b"Too Many Requests", 502: b"Bad Gateway",
+              503: b"Service Unavailable"}.get(status, b"Error")
+    head = [b"HTTP/1.1 %d %s" % (status, reason), b"Content-Type: application/json",
+            b"Content-Length: %d" % len(body)] + [name + b": " + value for name, value in extra]
+    return b"\r\n".join(head) + b"\r\n\r\n" + body
+
+
+def error_body(message: str) -> bytes:
+    return json.dumps({"error": message}).encode()
+
+
+def key_id_for(keys: KeyRing | None, authorization: str | None) -> str | None:
+    """The id of the key in ``Authorization: Bearer <key>``; None without a key (the router then
+    refuses gateway tasks when a keys file is configured). ScreenError 401 for an unknown key.
+    Without a keys file, requests are open and a bearer is ignored."""
+    if keys is None:
+        return None
+    secret = bearer_secret(authorization)
+    if secret is None:
+        return None
+    key = keys.lookup(secret)
+    if key is None:
+        raise ScreenError("the API key is not known to this server", 401, "UNAUTHENTICATED")
+    return key.key_id
+
+
+def refused_answer(status: int, body: bytes) -> bytes | None:
+    """A router refusal (errors.refusal_text's marker in Triton's error) as its own status, with
+    Retry-After; None for any other answer."""
+    if status not in (400, 503) or b"[refused " not in body[:64]:
+        return None
+    try:
+        found = parse_refusal(json.loads(body).get("error", ""))
+    except ValueError:
+        return None
+    if found is None:
+        return None
+    refused, retry_after, message = found
+    return http_response(refused, error_body(message),
+                         [(b"Retry-After", str(retry_after).encode())] if retry_after is not None else [])
+
+
+TRITON_GONE = http_response(503, error_body("the inference server is starting or restarting: retry shortly"),
+                            [(b"Retry-After", b"1")])
+
+
+class Upstream:
+    """Keep-alive HTTP/1.1 connections to one Triton HTTP port."""
+
+    def __init__(self, address: str):
+        self.host, port = address.rsplit(":", 1)
+        self.port = int(port)
+        self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+
+    async def connection(self):
+        """(reader, writer, reused): a pooled connection if one is open, else a new one."""
+        while self.idle:
+            reader, writer = self.idle.pop()
+            if not writer.is_closing() and not reader.at_eof():
+                return reader, writer, True
+            writer.close()
+        reader, writer = await asyncio.open_connection(self.host, self.port, limit=2**20)
+        return reader, writer, False
+
+    def release(self, reader, writer, reusable: bool) -> None:
+        if reusable and len(self.idle) < IDLE_UPSTREAM_CONNECTIONS:
+            self.idle.append((reader, writer))
+        else:
+            writer.close()
+
+
+async def read_head(reader: asyncio.StreamReader) -> tuple[bytes, list[tuple[bytes, bytes]]] | None:
+    try:
+        raw = await reader.readuntil(b"\r\n\r\n")
+    except asyncio.IncompleteReadError:
+        return None
+    lines = raw[:-4].split(b"\r\n")
+    headers = []
+    for line in lines[1:]:
+        name, _, value = line.partition(b":")
+        headers.append((name.strip().lower(), value.strip()))
+    return lines[0], headers
+
+
+def header(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes | None:
+    for key, value in headers:
+        if key == name:
+            return value
+    return None
+
+
+async def read_body(reader: asyncio.StreamReader, headers) -> bytes:
+    length = header(headers, b"content-length")
+    if length is not None:
+        return await reader.readexactly(int(length))
+    if (header(headers, b"transfer-encoding") or b"").lower() == b"chunked":
+        chunks = []
+        while True:
+            size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
+            if size == 0:
+                await reader.readuntil(b"\r\n")  # no trailers from Triton
+                return b"".join(chunks)
+            chunks.append(await reader.readexactly(size))
+            await reader.readexactly(2)
+    return b""
+
+
+class HttpScreen:
+    def __init__(self, policy: ScreenPolicy, upstream: Upstream, keys: KeyRing | None = None):
+        self.policy, self.upstream, self.keys = policy, upstream, keys
+
+    def check(self, target: bytes, headers, body: bytes) -> str:
+        """Refuses (ScreenError) or returns the model's name."""
+        path = unquote(target.split(b"?", 1)[0].decode("latin-1"))
+        found = _INFER_PATH.match(path)
+        if found is None:
+            raise ScreenError("not found", 404, "NOT_FOUND")
+        json_length = header(headers, b"inference-header-content-length")
+        size = len(body) if json_length is None else int(json_length)
+        if size > len(body):
+            raise ScreenError(f"Inference-Header-Content-Length ({size}) is longer than the body ({len(body)} bytes)")
+        check_http_request(self.policy, found.group(1), found.group(2) or "", body[:size], len(body) - size)
+        return found.group(1)
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await read_head(reader)
+                if head is None:
+                    break
+                request_line, headers = head
+                if header(headers, b"transfer-encoding") is not None:
+                    writer.write(http_response(411, error_body("send a Content-Length")))
+                    break
+                body = await reader.readexactly(int(header(headers, b"content-length") or 0))
+                try:
+                    model = self.check(request_line.split(b" ")[1], headers, body)
+                    extra = []
+                    if model == KEYED_MODEL:
+                        authorization = header(headers, b"authorization")
+                        key_id = key_id_for(self.keys, authorization.decode("latin-1") if authorization else None)
+                        if key_id:
+                            extra.append((KEY_ID_PARAMETER.encode(), key_id.encode()))
+                except ScreenError as error:
+                    writer.write(http_response(error.status, error_body(str(error))))
+                    await writer.drain()
+                    continue
+                writer.write(await self.forward(request_line, headers, body, extra))
+                await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError, IndexError):
+            pass
+        finally:
+            writer.close()
+
+    async def forward(self, request_line: bytes, headers, body: bytes, extra=()) -> bytes:
+        head = [request_line] + [name + b": " + value for name, value in headers if name in _FORWARDED_HEADERS]
+        head += [name + b": " + value for name, value in extra]
+        head.append(b"Content-Length: %d" % len(body))
+        message = b"\r\n".join(head) + b"\r\n\r\n"
+        for attempt in (0, 1):
+            reused = False
+            try:
+                reader, writer, reused = await self.upstream.connection()
+            except OSError:
+                return TRITON_GONE
+            try:
+                writer.write(message)
+                writer.write(body)
+                await writer.drain()
+                answer = await asyncio.wait_for(read_head(reader), UPSTREAM_TIMEOUT_S)
+                if answer is None:
+                    raise ConnectionResetError("Triton closed the connection")
+                status_line, response_headers = answer
+                response_body = await asyncio.wait_for(read_body(reader, response_headers), UPSTREAM_TIMEOUT_S)
+            except (ConnectionError, asyncio.IncompleteReadError, OSError) as error:
+                writer.close()
+                # Only a pooled connection is tried again: Triton closes idle keep-alive connections,
+                # and one it had closed read nothing. (A Triton that died mid-request refuses the retry.)
+                if attempt == 0 and reused and not isinstance(error, asyncio.IncompleteReadError):
+                    continue
+                return TRITON_GONE
+            except asyncio.TimeoutError:
+                writer.close()
+                return http_response(503, error_body("the inference server did not answer in time"))
+            keep = (header(response_headers, b"connection") or b"").lower() != b"close"
+            self.upstream.release(reader, writer, keep)
+            status = int(status_line.split(b" ")[1])
+            refused = refused_answer(status, response_body)
+            if refused is not None:
+                return refused
+            if status == 500:
+                restarting = restarting_model_message(response_body.decode("utf-8", "replace"))
+                if restarting:
+                    return http_response(503, error_body(restarting), [(b"Retry-After", b"1")])
+            out = [status_line] + [name + b": " + value for name, value in response_headers
+                                   if name not in _HOP_HEADERS and name != b"content-length"]
+            out.append(b"Content-Length: %d" % len(response_body))
+            return b"\r\n".join(out) + b"\r\n\r\n" + response_body
+        raise AssertionError("unreachable")
+
+
+class GrpcScreen:
+    """ModelInfer only, as raw bytes both ways: checked, then forwarded with the caller's metadata
+    and deadline; the caller's cancellation cancels the forwarded call."""
+
+    # authorization: the key's secret never reaches Triton (its id does, for the router)
+    _DROP = {"user-agent", "grpc-accept-encoding", "grpc-encoding", "te", "content-type", "authorization",
+             KEY_ID_PARAMETER}
+
+    def __init__(self, policy: ScreenPolicy, triton_grpc: str, keys: KeyRing | None = None):
+        import grpc
+
+        self.grpc = grpc
+        self.policy = policy
+        self.keys = keys
+        self.channel = grpc.aio.insecure_channel(triton_grpc, options=[
+            ("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)])
+        self.call = self.channel.unary_unary(GRPC_INFER_METHOD)
+        self.stream_call = self.channel.stream_stream(GRPC_STREAM_METHOD)
+
+    def handler(self):
+        grpc = self.grpc
+        screen = self
+
+        class Handler(grpc.GenericRpcHandler):
+            def service(self, details):
+                if details.method == GRPC_INFER_METHOD:
+                    return grpc.unary_unary_rpc_method_handler(screen.infer)
+                if details.method == GRPC_STREAM_METHOD:
+                    return grpc.stream_stream_rpc_method_handler(screen.stream)
+                return None
+        return Handler()
+
+    async def infer(self, request: bytes, context) -> bytes:
+        grpc = self.grpc
+        received = context.invocation_metadata() or ()
+        try:
+            model = check_grpc_request(self.policy, request)
+            key_id = None
+            if model == KEYED_MODEL:
+                authorization = next((v for k, v in received if k == "authorization"), None)
+                key_id = key_id_for(self.keys, authorization if isinstance(authorization, str) else None)
+        except ScreenError as error:
+            await context.abort(getattr(grpc.StatusCode, error.grpc_code), str(error))
+        metadata = tuple((k, v) for k, v in received if k not in self._DROP)
+        if key_id:
+            metadata += ((KEY_ID_PARAMETER, key_id),)
+        try:
+            return await self.call(request, timeout=context.time_remaining(), metadata=metadata)
+        except grpc.aio.AioRpcError as error:
+            code, details = error.code(), error.details() or ""
+            restarting = restarting_model_message(details) if code == grpc.StatusCode.INTERNAL else None
+            refused = parse_refusal(details) if code in (grpc.StatusCode.UNAVAILABLE,
+                                                         grpc.StatusCode.INVALID_ARGUMENT) else None
+            if refused is not None:
+                status, retry_after, message = refused
+                trailing = (("retry-after", str(retry_after)),) if retry_after is not None else ()
+                await context.abort(getattr(grpc.StatusCode, REFUSAL_STATUSES[status]), message, trailing)
+            if restarting:
+                code, details = grpc.StatusCode.UNAVAILABLE, restarting
+            elif code == grpc.StatusCode.UNAVAILABLE and _TRANSPORT_FAILURE.search(details):
+                # Triton itself is not there (a restart): say so, not the channel's internals. A
+                # model's own UNAVAILABLE (e.g. the router's "gateway not configured") passes as is.
+                details = "the inference server is starting or restarting: retry shortly"
+            await context.abort(code, details)
+
+
+    async def stream(self, requests, context):
+        """ModelStreamInfer: each request message checked, then written to Triton's stream; Triton's
+        responses come back as they are. A refused message is answered on the stream with its error
+        (as Triton answers a failed request there) and the stream goes on; the caller's cancellation
+        cancels the forwarded stream."""
+        grpc = self.grpc
+        metadata = tuple((k, v) for k, v in context.invocation_metadata() if k not in self._DROP)
+        call = self.stream_call(timeout=context.time_remaining(), metadata=metadata)
+        # Triton's responses and our refusals, in order; bounded, so a client that sends refused
+        # messages without reading the answers is held back (it is no longer read) instead of queued.
+        answers: asyncio.Queue = asyncio.Queue(maxsize=64)
+        upstream_done = object()
+
+        async def forward():
+            try:
+                async for request in requests:
+                    try:
+                        check_grpc_request(self.policy, request)
+                    except ScreenError as error:
+                        await answers.put(stream_error_response(str(error)))
+                        continue
+                    await call.write(request)
+                await call.done_writing()
+            except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                pass  # the upstream call ended; its status is read below
+
+        async def backward():
+            try:
+                async for response in call:
+                    await answers.put(response)
+                await answers.put(upstream_done)
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:  # noqa: BLE001 - handed to the caller's side below
+                await answers.put(error)
+
+        pump, drain = asyncio.ensure_future(forward()), asyncio.ensure_future(backward())
+        try:
+            while (answer := await answers.get()) is not upstream_done:
+                if isinstance(answer, grpc.aio.AioRpcError):
+                    await context.abort(answer.code(), answer.details() or "")
+                if isinstance(answer, Exception):
+                    raise answer
+                yield answer
+        finally:
+            pump.cancel()
+            drain.cancel()
+            call.cancel()
+
+
+def stream_error_response(message: str) -> bytes:
+    """A serialized ModelStreamInferResponse carrying only ``error_message`` (field 1): what a
+    stream client's callback receives as the error of one request."""
+    data = message.encode("utf-8")
+    size, length = bytearray(), len(data)
+    while True:
+        size.append((length & 0x7F) | (0x80 if length > 0x7F else 0))
+        length >>= 7
+        if not length:
+            break
+    return b"\x0a" + bytes(size) + data
+
+
+def load_public_models(path: Path | None) -> frozenset[str] | None:
+    if path is None:
+        return None
+    names = json.loads(path.read_text())
+    return None if names is None else frozenset(names)
+
+
+async def run(args: argparse.Namespace) -> None:
+    import grpc
+
+    policy = ScreenPolicy(max_body_bytes=args.max_body_bytes, public_models=load_public_models(args.public_models_file))
+    keys = keys_from_environment()  # $TRITON_API_KEYS_FILE: None serves the router open
+    http = HttpScreen(policy, Upstream(args.triton_http), keys)
+    http_server = await asyncio.start_server(http.serve, "127.0.0.1", args.http_port, limit=2**20, backlog=4096)
+    grpc_screen = GrpcScreen(policy, args.triton_grpc, keys)
+    grpc_server = grpc.aio.server(options=[
+        # nginx bounds a message (client_max_body_size) with its own clear message; a limit here
+        # would answer first, from the message's length prefix, in gRPC's words.
+        ("grpc.max_receive_message_length", -1),
+        ("grpc.max_send_message_length", -1),
+        ("grpc.max_concurrent_streams", 4096)])
+    grpc_server.add_generic_rpc_handlers((grpc_screen.handler(),))
+    if grpc_server.add_insecure_port(f"127.0.0.1:{args.grpc_port}") == 0:
+        raise SystemExit(f"cannot listen on 127.0.0.1:{args.grpc_port}")
+    await grpc_server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    await stop.wait()
+    http_server.close()
+    await grpc_server.stop(grace=5)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--http-port", type=int, required=True)
+    parser.add_argument("--grpc-port", type=int, required=True)
+    parser.add_argument("--triton-http", required=True)
+    parser.add_argument("--triton-grpc", required=True)
+    parser.add_argument("--max-body-bytes", type=int, required=True)
+    parser.add_argument("--public-models-file", type=Path)
+    asyncio.run(run(parser.parse_args(argv)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Operator tools against a running server: rollouts of compute models and spend reports."""

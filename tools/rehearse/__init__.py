@@ -1,0 +1,1 @@
+"""`make rehearse` (python -m tools.rehearse): see __main__.py."""
