@@ -14,7 +14,7 @@ install: $(INSTALLED)
 
 # Debian packages: nginx (the public front of the server, see src/triton_pipelines/front/nginx_config.py),
 # espeak-ng (the speech quality tests and benchmark speak their clips with it) and postgresql (the
-# spend ledger's tests start their own PostgreSQL server: tests/postgres_server.py).
+# spend ledger's tests start their own PostgreSQL server: tests/support/postgres_server.py).
 SYSTEM_PACKAGES := nginx-core espeak-ng postgresql
 
 $(INSTALLED): requirements.txt requirements-serving.txt requirements-builder.txt requirements-embedded.txt requirements-nodeps.txt requirements-ops.txt pyproject.toml

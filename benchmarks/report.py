@@ -1,5 +1,5 @@
 """The arithmetic of the peers report, the sweep and the config search, kept apart from the
-measuring so that it is unit-tested (tests/test_bench_report.py)."""
+measuring so that it is unit-tested (tests/unit/tools/test_bench_report.py)."""
 
 from __future__ import annotations
 

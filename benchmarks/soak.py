@@ -177,7 +177,7 @@ class Soak:
 
     # --------------------------------------------------------------------------------- faults
     def hang_gateway(self, fake, hold_s: float = 30) -> None:
-        from tests.fake_gateway import Reply
+        from tests.support.fake_gateway import Reply
 
         self.events.append((self.now(), "8 gateway calls hang for 30 s"))
         fake.when("hang-for-the-soak", Reply(delay_s=hold_s))
@@ -360,7 +360,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seconds", type=float, default=float(os.environ.get("SOAK_SECONDS", 600)))
     parser.add_argument("--report", type=Path, default=ROOT / "docs" / "reliability.md")
     args = parser.parse_args(argv)
-    from tests.fake_gateway import FakeGateway, Reply
+    from tests.support.fake_gateway import FakeGateway, Reply
 
     fake = FakeGateway().start()
     fake.default = Reply(delay_s=0.05)

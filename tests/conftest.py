@@ -5,11 +5,12 @@ The repository is the one `make repository` builds (`make test` builds it first)
 the fixture builds it. `TEST_MODEL_REPOSITORY=DIR` points the tests at another built repository
 (e.g. one built with `--pipelines text`). `TEST_SERVER_STATE=DIR` attaches the tests to a launcher that
 is already running (its state folder), e.g. the Python 3.10 rehearsal of the container
-(tests/test_images.py). Server logs go to `.cache/test-server.log`.
+(tests/unit/deploy/test_images.py). Server logs go to `.cache/test-server.log`.
 
-Every test that starts or uses a server (tritonserver, the launcher, nginx) is marked `server` at
-collection (`pytest_collection_modifyitems`): `make test-unit` (`pytest -m "not server"`) runs the
-rest in under a minute.
+Tests mirror the layers: `tests/unit/<layer>/` needs no server, `tests/server/` starts or uses one
+and is marked `server` by folder (`pytest_collection_modifyitems`; a server test outside it is a
+collection error). `make test-unit` (`pytest -m "not server"`) runs the rest; `tests/support/` holds
+the fakes and helpers.
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ import pytest
 from triton_pipelines.client import TritonClient
 from triton_pipelines.server.launcher import RunningServer, start_on_free_ports
 
-from .fake_gateway import FakeGateway
+from tests.support.fake_gateway import FakeGateway
+from tests.support.paths import PROJECT_ROOT
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
 MODEL_REPOSITORY = Path(os.environ.get("TEST_MODEL_REPOSITORY", PROJECT_ROOT / "model_repository")).resolve()
 LOG_DIR = PROJECT_ROOT / ".cache"
 
@@ -36,7 +37,7 @@ LOG_DIR = PROJECT_ROOT / ".cache"
 # Fixtures that are (or hold) a running server. A module's own fixtures and helpers that start one are
 # found by their source (STARTS_A_SERVER), as are test bodies that start one themselves.
 SERVER_FIXTURES = frozenset({"triton_server", "compute_server", "client", "http_client", "internal_client"})
-STARTS_A_SERVER = re.compile(r"start_on_free_ports\(|Launcher\(|ProxyProcess\(|RunningServer\("
+STARTS_A_SERVER = re.compile(r"Popen\(\s*\[[^\]]*\"triton_pipelines\", \"serve\"|start_on_free_ports\(|Launcher\(|ProxyProcess\(|RunningServer\("
                              r"|[\"']triton_pipelines\.launcher[\"']")
 
 
@@ -78,14 +79,25 @@ def needs_server(item: pytest.Item, starters: frozenset[str]) -> bool:
     return function is not None and _starts_a_server(function, starters)
 
 
+SERVER_TESTS = Path(__file__).resolve().parent / "server"
+
+
 def pytest_collection_modifyitems(config, items):
+    """Server tests are found by folder: everything under tests/server/ is marked ``server``; a test
+    elsewhere that starts or uses a server is a collection error (it belongs in tests/server/)."""
     starters: dict[str, frozenset[str]] = {}
+    misplaced = []
     for item in items:
+        if SERVER_TESTS in Path(str(item.path)).parents:
+            item.add_marker(pytest.mark.server)
+            continue
         module = getattr(item, "module", None)
         if module is not None and module.__name__ not in starters:
             starters[module.__name__] = _module_starters(module)
         if needs_server(item, starters.get(module.__name__, frozenset()) if module else frozenset()):
-            item.add_marker(pytest.mark.server)
+            misplaced.append(item.nodeid)
+    if misplaced:
+        raise pytest.UsageError("tests that start or use a server belong in tests/server/: " + ", ".join(misplaced))
 
 
 def ensure_repository() -> Path:
@@ -165,7 +177,7 @@ def gateway_environment(base_url: str, key: str):
 
 @pytest.fixture(scope="module")
 def fake() -> FakeGateway:
-    """A local OpenAI-compatible server on 127.0.0.1 (tests/fake_gateway.py) for the gateway route."""
+    """A local OpenAI-compatible server on 127.0.0.1 (tests/support/fake_gateway.py) for the gateway route."""
     gateway = FakeGateway().start()
     yield gateway
     gateway.stop()
@@ -185,8 +197,8 @@ def statistics_after(client: TritonClient, model: str, before: dict, inferences:
 
 @pytest.fixture(scope="session")
 def postgres_server():
-    """A PostgreSQL server of its own (tests/postgres_server.py), for the spend ledger's tests."""
-    from .postgres_server import PostgresServer
+    """A PostgreSQL server of its own (tests/support/postgres_server.py), for the spend ledger's tests."""
+    from tests.support.postgres_server import PostgresServer
 
     server = PostgresServer()
     yield server

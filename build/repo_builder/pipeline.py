@@ -57,7 +57,7 @@ class Pipeline:
     def configure(self, config: mc.ModelConfig, context: BuildContext) -> None:
         """Everything the builder writes into a hand-written config: ``runtime_parameters``, then
         ``patch_config``. The hand-written sources leave these values out, or -1 on a line marked
-        ``# builder`` (tests/test_configs.py checks it)."""
+        ``# builder`` (tests/unit/builder/test_configs.py checks it)."""
         for key, value in self.runtime_parameters.get(config.name, {}).items():
             config.parameters[key].string_value = parameter_text(value)
         self.patch_config(config, context)

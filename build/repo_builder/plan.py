@@ -24,7 +24,7 @@ running server:
 
 The GPU budget is the tutorial's: 85% of the memory for models (weights and per-instance
 overhead), 10% as batching headroom (activations at the max batch), 5% for the runtime (CUDA
-contexts). The CPU figures are checked against the embedded server (``tests/test_planner.py``);
+contexts). The CPU figures are checked against the embedded server (``tests/unit/builder/test_planner.py``);
 the GPU figures are derived the same way from the same graphs with the stated GPU constants, and
 are estimates: nothing here has a GPU to measure them on.
 """
@@ -59,7 +59,7 @@ PYTHON_STUB_BYTES = 40 * MiB
 ORT_STUB_BYTES = 77 * MiB
 SERVER_PROCESS_BYTES = 44 * MiB
 # ONNX Runtime's CPU arena over the graph's live peak (BFC arena, regions doubling): 0.9 to 2.0x on
-# our models and shapes; 1.25 keeps every measured case within 25% (tests/test_planner.py).
+# our models and shapes; 1.25 keeps every measured case within 25% (tests/unit/builder/test_planner.py).
 CPU_ARENA_FACTOR = 1.25
 # GPU constants: assumptions stated in docs/operations.md, not measured here.
 CUDA_CONTEXT_BYTES = 512 * MiB  # per GPU: tritonserver's CUDA context with the backends' kernels

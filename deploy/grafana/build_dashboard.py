@@ -6,7 +6,7 @@ One row per pipeline (every ensemble in ensembles/: its requests, latency and qu
 batch size, failures and pending requests of its steps, found from the ensemble configs and the
 BLS models' `bls_dependencies`), then models, memory, router and health rows. Queries read the
 recording rules of deploy/prometheus/rules/recording.yml wherever one exists.
-tests/test_deploy_grafana.py fails when the committed JSON differs from what this writes, and
+tests/unit/deploy/test_grafana.py fails when the committed JSON differs from what this writes, and
 checks every query against promtool and the recorded/raw metric names.
 """
 

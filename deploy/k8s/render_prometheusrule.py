@@ -3,7 +3,7 @@ PrometheusRule, so Kubernetes and docker compose evaluate the same rules.
 
     python deploy/k8s/render_prometheusrule.py      # or: make k8s-rules
 
-tests/test_deploy_k8s.py fails when the committed file differs from what this writes.
+tests/unit/deploy/test_k8s.py fails when the committed file differs from what this writes.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ What the stand-ins are (and are not):
   and no image can be fetched: it is left out of the rehearsal.
 
 Pure parts (recipes, hashes, the tree copy, the WER check, the import scan) are unit-tested in
-tests/test_rehearse.py.
+tests/unit/tools/test_rehearse.py.
 """
 
 from __future__ import annotations

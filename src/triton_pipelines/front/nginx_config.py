@@ -27,7 +27,7 @@ and enforces, before anything is copied into Triton:
 
 The configuration is the template ``templates/nginx.conf`` (``%%name`` fields, see ``NginxTemplate``)
 rendered by ``render_config`` from a ``ProxyConfig``, with every answer's text in ``MESSAGES``;
-``tests/test_proxy_config.py`` pins the rendered text and ``ProxyProcess.validate`` runs ``nginx -t``
+``tests/unit/front/test_nginx_config.py`` pins the rendered text and ``ProxyProcess.validate`` runs ``nginx -t``
 on it before nginx starts or reloads. nginx runs in the foreground as a child of the launcher, which
 restarts it if it dies.
 """
@@ -52,7 +52,7 @@ from triton_pipelines.server.processes import child_pids, spawn
 # depth of ~104,000 (~208 KB). 128 KiB can nest at most 65,536 deep; anything larger goes binary.
 DEFAULT_MAX_JSON_BYTES = 128 * 1024
 # A whole request, binary tensors included: the largest legal input, a 64 MiB audio file
-# (speech.MAX_AUDIO_BYTES; tests/test_proxy_config.py holds them equal).
+# (speech.MAX_AUDIO_BYTES; tests/unit/front/test_nginx_config.py holds them equal).
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
 # Inference requests in flight through both public ports together (every replica behind them):
 # the back-pressure of the whole server. The models have no queue policy (a Triton 2.51 policy

@@ -2,7 +2,7 @@
 
 Plain functions and data, no server and no Triton: ``openai_server.py`` (the aiohttp process the
 launcher runs behind nginx's ``/v1/``) is a thin layer over this module, and
-``tests/test_openai_protocol.py`` tests it without a server.
+``tests/unit/openai_api/test_protocol.py`` tests it without a server.
 
 - Errors have OpenAI's shape ``{"error": {"message", "type", "param", "code"}}`` and status
   (``OpenAIError``): 400 bad input naming the field (``param``), 401 missing or unknown key, 404

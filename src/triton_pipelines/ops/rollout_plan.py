@@ -4,7 +4,7 @@ of a move (``plan_move``), one hold's numbers (``measure``) and the gate's verdi
 ``rollout.py`` reads the server's state, hands it to ``plan_move`` and runs the actions it returns
 (``Rollout.execute``); everything here is a pure function of what it is given (``Metrics.scrape``
 and ``Family.from_repository`` aside, which read an endpoint or the built repository), so the
-ordering rule is tested without a server (tests/test_rollout_plan.py):
+ordering rule is tested without a server (tests/unit/ops/test_rollout_plan.py):
 
 - the target version is loaded, its ensembles loaded and warmed, before the router's split gives it
   any traffic;

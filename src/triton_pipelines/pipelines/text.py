@@ -133,7 +133,7 @@ class TextTokenizer:
         and its pre-tokenizer splits words at whitespace, so the tokens of ``text[:cut]``, cut just
         after a whitespace character, are the first tokens of ``text``; when the prefix already
         fills ``max_length`` (after truncation), the whole text gives the same encoding.
-        Proven against whole-text tokenization by a property test (tests/test_budgets_logic.py)."""
+        Proven against whole-text tokenization by a property test (tests/unit/pipelines/test_input_budgets.py)."""
         if self.prefix_chars is None:
             return self.tokenizer.encode_batch(texts)
         results: list = [None] * len(texts)

@@ -29,7 +29,7 @@ stops the others' watching, nginx's, or routing.
 The outside world is injected: the clock, the process factory (``ReplicaProcesses``: spawn the
 server and the screen, probe Triton's readiness and the screen's ports, remove leftovers, make
 the watchdog) and how a background
-task runs (``submit``), so ``tests/test_reconcile.py`` runs passes against fakes.
+task runs (``submit``), so ``tests/unit/server/test_replicas_reconcile.py`` runs passes against fakes.
 """
 
 from __future__ import annotations

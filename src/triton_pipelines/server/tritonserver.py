@@ -27,7 +27,7 @@ METRICS_CONFIG = ("summary_latencies=true",)
 LOOPBACK = "127.0.0.1"
 # How long the start-up load may take before the launcher gives up (and the container restarts).
 # The one source of this value: docker-compose.yml's healthcheck start_period and the Kubernetes
-# startup probe are at least this long (tests/test_images.py, tests/test_deploy_k8s.py). Whisper
+# startup probe are at least this long (tests/unit/deploy/test_images.py, tests/unit/deploy/test_k8s.py). Whisper
 # large-v3 on the gpu target plus ONNX Runtime's TensorRT engine builds on first start can take
 # well over 5 minutes. Override: TRITON_READY_TIMEOUT_S.
 READY_TIMEOUT_S = 1200

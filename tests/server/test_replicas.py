@@ -1,0 +1,93 @@
+"""Scale-out on one machine: two tritonservers behind the one nginx (``--replicas 2``), round robin
+for HTTP and gRPC; retiring one under load (nginx stops sending it requests, then it drains and
+stops) fails no request; the metrics carry a ``replica`` label."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from triton_pipelines.client import InferenceServerException, TritonClient, text_tensor
+from triton_pipelines.server.control import CONTROL_HEADER
+from triton_pipelines.server.launcher import start_on_free_ports
+
+from tests.conftest import LOG_DIR, ensure_repository
+from tests.support.router_helpers import metric, scrape
+
+MODELS = ["text_embedding", "text_tokenizer", "text_encoder"]
+
+
+@pytest.fixture(scope="module")
+def server():
+    launched = start_on_free_ports(ensure_repository(), LOG_DIR / "test-replicas-server.log", models=MODELS,
+                                   replicas=2)
+    yield launched
+    launched.stop()
+
+
+def served(replica) -> int:
+    stats = replica.control.request("/v2/models/text_embedding/stats")["model_stats"]
+    return sum(int(s["inference_stats"]["success"]["count"]) for s in stats)
+
+
+def test_two_replicas_share_the_traffic_of_both_protocols_and_one_retires_without_a_failure(server):
+    assert len(server.replicas) == 2
+    before = [served(r) for r in server.replicas]
+    stop = threading.Event()
+    answered, failures = [], []
+
+    def load(protocol):
+        client = TritonClient(protocol, server.url(protocol))
+        while not stop.is_set():
+            try:
+                out = client.infer("text_embedding", {"text": text_tensor(["a parcel that never came"])})
+                answered.append((protocol, out["embedding"].shape))
+            except InferenceServerException as error:
+                failures.append(f"{protocol}: {error}")
+        client.close()
+
+    threads = [threading.Thread(target=load, args=(p,)) for p in ("http", "grpc", "http", "grpc")]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(3)
+        during = [served(r) - b for r, b in zip(server.replicas, before)]
+        assert all(n > 0 for n in during), f"round robin: each replica serves, got {during}"
+        status = json.loads((server.state_dir / "server.json").read_text())["status"]
+        request = urllib.request.Request(f"http://{status}/v2/replicas/1/retire", data=b"", method="POST",
+                                         headers={CONTROL_HEADER: server.key})
+        with urllib.request.urlopen(request, timeout=120) as response:
+            assert json.loads(response.read()) == {"retired": "1"}
+        assert server.replicas[1].process.poll() is not None  # drained and stopped
+        count = len(answered)
+        time.sleep(2)
+        assert len(answered) > count  # the other replica goes on serving
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert not failures, failures[:5]
+    assert {p for p, _ in answered} == {"http", "grpc"} and {s for _, s in answered} == {(1, 384)}
+    text = scrape(server.metrics_url)
+    assert metric(text, "nv_inference_request_success", model="text_embedding", replica="0") > 0
+    assert 'replica="1"' not in text  # a retired replica leaves the metrics
+    assert text.count("# TYPE nv_inference_request_success ") == 1
+
+
+def test_retiring_needs_the_key_and_keeps_one_replica(server):
+    status = json.loads((server.state_dir / "server.json").read_text())["status"]
+    for headers, expected in (({}, 403), ({CONTROL_HEADER: server.key}, 400)):
+        request = urllib.request.Request(f"http://{status}/v2/replicas/0/retire", data=b"", method="POST",
+                                         headers=headers)
+        with pytest.raises(urllib.error.HTTPError) as error:
+            urllib.request.urlopen(request, timeout=30)
+        assert error.value.code == expected
+    with pytest.raises(urllib.error.HTTPError) as error:  # never routed from the public port
+        urllib.request.urlopen(urllib.request.Request(f"http://{server.http_url}/v2/replicas/0/retire", data=b"",
+                                                      method="POST", headers={CONTROL_HEADER: server.key}), timeout=30)
+    assert error.value.code == 404

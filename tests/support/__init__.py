@@ -1,0 +1,1 @@
+"""What the tests share: fakes, helpers, servers of their own (PostgreSQL), paths."""

@@ -1,0 +1,116 @@
+"""The rollout command on a server of this module's own (the text pipelines and the router on a
+private copy of the repository), under continuous load from HTTP and gRPC clients, both direct
+ensemble callers and router callers:
+
+- a full rollout 1 → 2 in steps and a rollback 2 → 1 fail no request, every answer is exactly
+  version 1's or version 2's (no answer from a half-loaded model), the router's version label is
+  the version that answered, and direct callers are on the new version once the command returns;
+- a gate past its threshold rolls the rollout back by itself, still without a failed request;
+- new files for the serving version are put in place and reloaded without a failed request, the
+  latency-class variant (symlinked files) included.
+Plus the logic without a server: metrics parsing, the gate, the family read from the repository."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from triton_pipelines.server.launcher import start_on_free_ports
+from triton_pipelines.ops.rollout import Family, Gate, Metrics, Rollout, StepReport, judge
+
+from tests.conftest import LOG_DIR, ensure_repository
+from tests.support.lifecycle_helpers import copy_repository
+
+MODELS = ["router", "text_tokenizer", "text_encoder", "text_encoder_batch", "intent_classifier",
+          "text_embedding", "text_embedding_v2", "text_embedding_batch", "text_embedding_batch_v2",
+          "text_classification", "text_classification_v2"]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    repository = copy_repository(ensure_repository(), tmp_path_factory.mktemp("lifecycle") / "repository", MODELS)
+    saved = os.environ.pop("ROUTER_SPLIT_FILE", None)  # the router must read the copy's split file
+    try:
+        launched = start_on_free_ports(repository, LOG_DIR / "test-rollout-server.log", models=MODELS)
+    finally:
+        if saved is not None:
+            os.environ["ROUTER_SPLIT_FILE"] = saved
+    yield launched
+    launched.stop()
+
+
+@pytest.fixture(scope="module")
+def rollout(server):
+    return Rollout(server.control, server.metrics_url, Path(server.options.model_repository), "text_encoder",
+                   log=lambda message: print(f"[rollout {time.strftime('%H:%M:%S')}] {message}"), poll_s=0.25, quiet_s=1.0)
+
+
+def test_metrics_parse_sums_matching_samples():
+    text = ('# HELP x\nnv_inference_request_failure{model="a",version="1"} 2\n'
+            'nv_inference_request_failure{model="b",version="1"} 3\n'
+            'nv_inference_request_summary_us{model="a",version="2",quantile="0.99"} NaN\n'
+            'router_failures_total{task="t",route="triton",reason="invalid_input"} 4\n')
+    metrics = Metrics.parse(text)
+    assert metrics.total("nv_inference_request_failure", version="1") == 5
+    assert metrics.total("nv_inference_request_failure", model=["a", "c"]) == 2
+    assert metrics.total("router_failures_total", task=()) == 0
+    assert metrics.largest("nv_inference_request_summary_us", model="a") != metrics.largest(
+        "nv_inference_request_summary_us", model="a")  # NaN: no observations in the window
+
+
+@pytest.mark.parametrize("report, gate, breach", [
+    (StepReport(10, requests=100, failures=0, target_requests=10, p99_ms=50), Gate(), ""),
+    (StepReport(10, requests=100, failures=1, target_requests=10, p99_ms=50), Gate(), "1 of 100 requests failed"),
+    (StepReport(10, requests=100, failures=1), Gate(max_failure_ratio=0.02), ""),
+    (StepReport(10, failures=2), Gate(), "2 failures"),
+    (StepReport(10, requests=100, target_requests=60, p99_ms=300), Gate(max_p99_ms=250), "p99 300.0 ms over 250"),
+    (StepReport(10, requests=100, target_requests=10, p99_ms=300), Gate(max_p99_ms=250), ""),  # too few to judge
+    (StepReport(10, requests=100, target_requests=60, p99_ms=300, old_p99_ms=100), Gate(max_p99_ratio=2.0),
+     "over 2 x the old"),
+    (StepReport(10, requests=100, target_requests=60, p99_ms=150, old_p99_ms=100), Gate(max_p99_ratio=2.0), ""),
+])
+def test_gate(report, gate, breach):
+    found = judge(gate, report)
+    assert (breach in found) if breach else found == ""
+
+
+def test_family_from_the_built_repository():
+    family = Family.from_repository(ensure_repository(), "text_encoder")
+    assert family.members == ("text_encoder", "text_encoder_batch")
+    assert family.pinning_ensembles == {"text_embedding": "text_encoder", "text_embedding_batch": "text_encoder_batch"}
+    assert family.versioned_ensembles == {2: ("text_classification_batch_v2", "text_classification_v2",
+                                              "text_embedding_batch_v2", "text_embedding_v2")}
+    assert family.canary_tasks == ("text_classification", "text_embedding") and family.router_versions == (1, 2)
+    assert family.ensembles_serving(1) == ("text_embedding", "text_embedding_batch")
+
+
+def test_split_file_is_replaced_whole_and_keeps_other_models(tmp_path):
+    class Stub(Rollout):
+        def __post_init__(self):
+            self.split_file = Path(self.split_file)
+
+    split = tmp_path / "splits.json"
+    split.write_text(json.dumps({"other_model": {"1": 100}}))
+    stub = Stub(control=None, metrics_url="", repository=tmp_path, model="text_encoder", split_file=split)
+    stub.write_split({1: 0.0, 2: 100.0})
+    assert json.loads(split.read_text()) == {"other_model": {"1": 100}, "text_encoder": {"2": 100.0}}
+    assert not list(tmp_path.glob(".splits-*"))
+
+
+def test_a_rollout_refuses_a_launcher_with_several_replicas(tmp_path):
+    """Each replica is its own tritonserver: moving one would leave nginx's round robin serving a mix."""
+    from triton_pipelines.ops.rollout import RolloutError, connect
+
+    (tmp_path / "control.key").write_text("key")
+    server = {"triton_http": "127.0.0.1:1", "triton_metrics": "127.0.0.1:2",
+              "replicas": [{"triton_http": "127.0.0.1:1"}, {"triton_http": "127.0.0.1:3"}]}
+    (tmp_path / "server.json").write_text(json.dumps(server))
+    with pytest.raises(RolloutError, match="2 replicas"):
+        connect(tmp_path)
+    server["replicas"] = server["replicas"][:1]
+    (tmp_path / "server.json").write_text(json.dumps(server))
+    assert connect(tmp_path)[1] == "http://127.0.0.1:2/metrics"

@@ -1,0 +1,81 @@
+"""The contract between the builder and the runtime (triton_pipelines/repository/contract.py), without a server:
+variant names both ways, the build stamp read and written back byte for byte, and the Python
+backend's shared-memory sizes the launcher and the planner share."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from triton_pipelines.repository.contract import (LATENCY_CLASSES, PYTHON_BACKEND_SHM_CONFIG, PYTHON_SHM_DEFAULT_BYTES,
+                                     PYTHON_SHM_GROWTH_BYTES, STABLE_VERSION, BuiltManifest, ComputeModelFacts,
+                                     VariantName, parse_variant_name, variant_name)
+
+from tests.conftest import ensure_repository
+
+
+@pytest.mark.parametrize("base, latency_class, version, name", [
+    ("text_embedding", None, None, "text_embedding"),
+    ("text_embedding", "realtime", STABLE_VERSION, "text_embedding"),
+    ("text_embedding", "batch", None, "text_embedding_batch"),
+    ("text_embedding", "realtime", 2, "text_embedding_v2"),
+    ("text_embedding", "batch", 2, "text_embedding_batch_v2"),
+    ("text_encoder", "batch", None, "text_encoder_batch"),
+])
+def test_variant_names(base, latency_class, version, name):
+    assert variant_name(base, latency_class, version) == name
+    parsed = parse_variant_name(name)
+    assert parsed == VariantName(base, latency_class or "realtime", None if version in (None, STABLE_VERSION) else version)
+    assert parsed.unversioned == variant_name(base, latency_class)
+
+
+def test_every_built_model_name_parses_back_to_itself():
+    """Each folder of the built repository is ``variant_name`` of what ``parse_variant_name`` reads in it;
+    every variant's base is a model of its own."""
+    manifest = BuiltManifest.read(ensure_repository())
+    for name in manifest.models:
+        parsed = parse_variant_name(name)
+        assert variant_name(*parsed) == name
+        assert parsed.base in manifest.models
+        assert parsed.latency_class in LATENCY_CLASSES
+    for base, facts in manifest.compute_models.items():
+        assert [parse_variant_name(v) for v in facts.latency_variants] == [VariantName(base, "batch", None)] * len(
+            facts.latency_variants)
+
+
+def test_the_stamp_reads_and_writes_back_byte_for_byte(tmp_path):
+    repository = ensure_repository()
+    manifest = BuiltManifest.read(repository)
+    manifest.write(tmp_path)
+    assert BuiltManifest.file(tmp_path).read_bytes() == BuiltManifest.file(repository).read_bytes()
+    assert manifest.target in ("embedded", "gpu") and manifest.public_models and manifest.shm_bytes
+    assert all(isinstance(f, ComputeModelFacts) for f in manifest.compute_models.values())
+
+
+def test_an_older_stamp_reads_with_defaults(tmp_path):
+    (tmp_path / ".built").write_text(json.dumps({"shm_bytes": 1}))
+    manifest = BuiltManifest.read(tmp_path)
+    assert (manifest.target, manifest.public_models, manifest.compute_models, manifest.shm_bytes) == (
+        "embedded", None, {}, 1)
+    assert not BuiltManifest.exists(tmp_path / "missing")
+
+
+def test_the_launcher_and_the_planner_share_the_shm_sizes():
+    from repo_builder import plan
+    from triton_pipelines.server import launcher
+
+    assert launcher.PYTHON_BACKEND_CONFIG == PYTHON_BACKEND_SHM_CONFIG == (
+        "shm-default-byte-size=16777216", "shm-growth-byte-size=16777216")
+    assert (plan.SHM_DEFAULT_BYTES, plan.SHM_GROWTH_BYTES) == (PYTHON_SHM_DEFAULT_BYTES, PYTHON_SHM_GROWTH_BYTES)
+
+
+def test_layout_imports_nothing_heavy():
+    """The builder, the launcher and the router (inside Triton's stub) import it: standard library only."""
+    code = ("import sys; before = set(sys.modules); import triton_pipelines.repository.contract; "
+            "print(sorted(m.split('.')[0] for m in set(sys.modules) - before))")
+    loaded = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                       check=True).stdout.replace("'", '"'))
+    assert set(loaded) <= {"triton_pipelines"} | set(sys.stdlib_module_names), loaded

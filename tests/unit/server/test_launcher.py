@@ -1,0 +1,107 @@
+"""The embedded launcher: ports, readiness, and a clean stop that lets in-flight requests finish."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from triton_pipelines.server import launcher
+from triton_pipelines.server.launcher import InternalPorts, ServerOptions, server_command
+
+from tests.conftest import ensure_repository
+
+def test_ports_come_from_flags_then_environment_then_defaults(monkeypatch):
+    monkeypatch.setenv("TRITON_HTTP_PORT", "9100")
+    assert launcher._port(None, "TRITON_HTTP_PORT", 8000) == 9100
+    assert launcher._port(9200, "TRITON_HTTP_PORT", 8000) == 9200
+    monkeypatch.delenv("TRITON_HTTP_PORT")
+    assert launcher._port(None, "TRITON_HTTP_PORT", 8000) == 8000
+
+
+def test_server_command_loads_every_model_in_explicit_mode_on_loopback_with_restricted_control():
+    command = server_command(ServerOptions(model_repository=Path("repo"), backend_dir=Path("b"),
+                                           http_port=1, grpc_port=2, metrics_port=3),
+                             InternalPorts(11, 12, 13), key="k" * 20, shm_prefix="p_")
+    assert "--model-control-mode=explicit" in command and "--load-model=*" in command
+    # Triton itself listens on its own loopback ports; nginx owns the public ones (1, 2, 3).
+    assert {"--http-port=11", "--grpc-port=12", "--metrics-port=13", "--http-address=127.0.0.1",
+            "--grpc-address=127.0.0.1", "--metrics-address=127.0.0.1"} <= set(command)
+    apis = "model-repository,shared-memory,logging,trace:triton-control-key=" + "k" * 20
+    assert f"--http-restricted-api={apis}" in command and f"--grpc-restricted-protocol={apis}" in command
+    assert "--backend-config=python,shm-region-prefix-name=p_" in command
+
+
+def test_unload_layers_put_callers_before_the_models_they_call():
+    from triton_pipelines.server.drain import dependencies, unload_layers
+
+    ensemble = {"ensemble_scheduling": {"step": [{"model_name": "tok"}, {"model_name": "enc"}]}}
+    router = {"parameters": {"bls_dependencies": {"string_value": "*"}}}
+    decoder_loop = {"parameters": {"bls_dependencies": {"string_value": "dec, enc"}}}
+    calls = {"router": dependencies(router), "embed": dependencies(ensemble), "tok": set(), "enc": set(),
+             "loop": dependencies(decoder_loop), "dec": set()}
+    assert calls["embed"] == {"tok", "enc"} and calls["loop"] == {"dec", "enc"}
+    assert unload_layers(calls) == [["router"], ["embed", "loop"], ["dec", "enc", "tok"]]
+
+
+def test_json_header_limit_pattern_matches_exactly_the_numbers_up_to_the_limit():
+    import re
+
+    from triton_pipelines.front.nginx_config import regex_at_most
+
+    for limit in (0, 1, 9, 10, 99, 100, 1234, 131072):
+        pattern = re.compile(regex_at_most(limit))
+        for n in list(range(0, 2000)) + [limit - 1, limit, limit + 1, 10 * limit + 7]:
+            assert bool(pattern.match(str(n))) == (0 <= n <= limit), (limit, n)
+        assert pattern.match("000" + str(limit)) and not pattern.match("") and not pattern.match("12a")
+
+
+def test_generated_nginx_config_is_valid_and_listens_where_asked(tmp_path):
+    import subprocess
+
+    from triton_pipelines.front.nginx_config import ProxyConfig, nginx_binary, render_config
+
+    for address in ("127.0.0.1", "0.0.0.0"):
+        config = ProxyConfig(listen_address=address, http_port=18000, grpc_port=18001, metrics_port=18002,
+                             triton_http_ports=(19000, 19010), triton_grpc_ports=(19001,), status_port=19002,
+                             screen_http_ports=(19004, 19014), screen_grpc_ports=(19005, 19015),
+                             gate_port=19003, max_inflight_per_client=64,
+                             state_dir=tmp_path)
+        text = render_config(config)
+        assert f"listen {address}:18000 " in text and f"listen {address}:18001 http2 " in text
+        assert "server 127.0.0.1:19000 max_fails=0;" in text and "server 127.0.0.1:19010 max_fails=0;" in text
+        assert "client_max_body_size 131072;" in text
+        # the HTTP gate (inference and /v1), gRPC ModelInfer and ModelStreamInfer
+        assert text.count("limit_conn inflight 256;") == 3
+        # one client's share: both HTTP infer locations (JSON and binary), /v1, gRPC ModelInfer and
+        # ModelStreamInfer
+        assert text.count("limit_conn perclient 64;") == 5
+        # inference goes through the request screens, round robin like the replicas
+        assert "server 127.0.0.1:19004 max_fails=0;" in text and "server 127.0.0.1:19015 max_fails=0;" in text
+        assert "proxy_pass http://screen_http;" in text and "grpc_pass grpc://screen_grpc;" in text
+        for name in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"):
+            (tmp_path / name).mkdir(exist_ok=True)
+        (tmp_path / "nginx.conf").write_text(text)
+        check = subprocess.run([nginx_binary(), "-t", "-q", "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf")],
+                               capture_output=True, text=True)
+        assert check.returncode == 0, check.stderr
+
+
+def test_control_key_comes_from_the_environment_or_is_generated(monkeypatch):
+    from triton_pipelines.server.control import KEY_ENV, resolve_key
+
+    monkeypatch.delenv(KEY_ENV, raising=False)
+    first, second = resolve_key(), resolve_key()
+    assert first != second and len(first) >= 32
+    monkeypatch.setenv(KEY_ENV, "operator-chosen-key-0123")
+    assert resolve_key() == "operator-chosen-key-0123"
+    monkeypatch.setenv(KEY_ENV, "short:bad")
+    with pytest.raises(ValueError, match="16 to 256 characters"):
+        resolve_key()
+
+
+def test_an_in_flight_limit_below_one_is_refused_at_start(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        launcher.main(["--model-repository", str(ensure_repository()), "--max-inflight", "0"])
+    assert exit_info.value.code == 2
+    assert "--max-inflight must be at least 1" in capsys.readouterr().err
