@@ -11,6 +11,7 @@ from pathlib import Path
 
 from tritonclient.grpc import model_config_pb2 as mc
 
+from triton_pipelines.limits import TEXT_MAX_BATCH
 from triton_pipelines.pipelines import text
 from triton_pipelines.pipelines.onnx_runner import LengthGrouping
 
@@ -20,7 +21,7 @@ from .files import hash_files, is_fresh, mark_fresh
 from .pipeline import BuildContext, Pipeline, parameter_text
 
 INTENTS_FILE = Path("data") / "intents.yaml"  # in the project
-MAX_BATCH_SIZE = 64
+MAX_BATCH_SIZE = TEXT_MAX_BATCH  # /v1/embeddings chunks and the router rows follow it (limits.py)
 # Tensors whose last dimension is the encoder's hidden size: -1 in the sources, written here.
 EMBEDDING_TENSORS = {"last_hidden_state", "embedding"}
 

@@ -24,11 +24,13 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
+from triton_pipelines.limits import REQUEST_TIMEOUT_S
+
 __all__ = ["TritonClient", "InferenceServerException"]
 
 
 class TritonClient:
-    def __init__(self, protocol: str, url: str, network_timeout_s: float = 300.0, concurrency: int = 1):
+    def __init__(self, protocol: str, url: str, network_timeout_s: float = REQUEST_TIMEOUT_S, concurrency: int = 1):
         """``concurrency``: HTTP connections for ``infer_ordered`` (gRPC multiplexes one channel)."""
         if protocol not in ("http", "grpc"):
             raise ValueError(f"protocol must be 'http' or 'grpc', not {protocol!r}")

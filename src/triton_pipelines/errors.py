@@ -1,5 +1,7 @@
-"""Bad requests and failed calls: the errors adapters turn into per-request error responses, and
-the UTF-8 check every text input goes through."""
+"""The error vocabulary, one home for every layer: bad input (``InputError``), failed calls
+(``UpstreamError``, ``RouteError`` with its ``reason``), how each reason is answered
+(``error_kind``), the refusal marker and its statuses, and the UTF-8 check every text input goes
+through. Each transport maps it once: the stub (``stub.responses``), the screen, ``/v1``, nginx."""
 
 from __future__ import annotations
 
@@ -34,6 +36,36 @@ def decode_utf8(item: Any, where: str) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as error:
         raise InputError(f"{where} is not valid UTF-8 (byte 0x{data[error.start]:02x} at offset {error.start})") from None
+
+
+# ------------------------------------------------------------------------------ failure reasons
+class RouteError(Exception):
+    """A request that could not be served; ``reason`` is the metric label (``failures_total``).
+    ``retry_after_s``: what an upstream asked us to wait before trying again, if it said."""
+
+    def __init__(self, reason: str, message: str, retry_after_s: float | None = None):
+        super().__init__(message)
+        self.reason = reason
+        self.retry_after_s = retry_after_s
+
+
+# Failure reasons that mean "not now" (HTTP 503 / UNAVAILABLE) rather than "bad request" (400) or
+# "our fault" (500).
+UNAVAILABLE_REASONS = frozenset({"not_loaded", "not_configured", "circuit_open", "timeout", "unreachable",
+                                 "upstream_status", "overloaded", "upstream_unavailable", "ledger_unavailable",
+                                 "over_budget", "rate_limited"})
+INPUT_REASONS = frozenset({"invalid_input", "upstream_invalid_input", "context_window", "unauthenticated",
+                           "model_not_allowed"})
+# Refused by the key (401/403) or its limits (429): the message carries errors.refusal_text's
+# marker, which the request screen turns into that HTTP status / gRPC code.
+REFUSAL_REASONS = frozenset({"unauthenticated", "model_not_allowed", "over_budget", "rate_limited"})
+
+
+def error_kind(reason: str) -> str:
+    """``invalid_input`` | ``unavailable`` | ``internal``: how a failure reason is answered."""
+    if reason in INPUT_REASONS:
+        return "invalid_input"
+    return "unavailable" if reason in UNAVAILABLE_REASONS else "internal"
 
 
 # ------------------------------------------------------------------------------ gateway refusals

@@ -46,18 +46,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from triton_pipelines.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_JSON_BYTES, REQUEST_TIMEOUT_S
 from triton_pipelines.server.processes import child_pids, spawn
 
-# The JSON part of an HTTP request: Triton 2.51 crashes at ~4 MiB of flat JSON and at a nesting
-# depth of ~104,000 (~208 KB). 128 KiB can nest at most 65,536 deep; anything larger goes binary.
-DEFAULT_MAX_JSON_BYTES = 128 * 1024
-# A whole request, binary tensors included: the largest legal input, a 64 MiB audio file
-# (speech.MAX_AUDIO_BYTES; tests/unit/front/test_nginx_config.py holds them equal).
-DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
-# Inference requests in flight through both public ports together (every replica behind them):
-# the back-pressure of the whole server. The models have no queue policy (a Triton 2.51 policy
-# stalls its batcher, build/repo_builder/compute.py), so this bounds every queue behind the front.
-DEFAULT_MAX_INFLIGHT = 256
 
 # Public HTTP endpoints (KServe v2 + Triton's statistics/config extensions). Anything else is 404,
 # the control APIs 403.
@@ -127,8 +118,7 @@ class ProxyConfig:
     # before its neighbours are. Behind a proxy or NAT every client has the proxy's address: raise it.
     max_inflight_per_client: int = 0
     workers: int = 1
-    # Long enough for the slowest legal request (300 s of audio at saturation).
-    upstream_timeout_s: int = 300
+    upstream_timeout_s: int = int(REQUEST_TIMEOUT_S)
     run_as: str | None = None  # the worker user when nginx starts as root
     # The OpenAI-compatible frontend (openai_server.py) that /v1/ goes to; 0: none (/v1 answers 503).
     openai_port: int = 0

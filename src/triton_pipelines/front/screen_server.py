@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 from urllib.parse import unquote
 
+from triton_pipelines.limits import REQUEST_TIMEOUT_S
 from triton_pipelines.gateway.keys import KEY_ID_PARAMETER, KeyRing, bearer_secret, keys_from_environment
 from triton_pipelines.errors import REFUSAL_STATUSES, parse_refusal
 from triton_pipelines.front.screen import ScreenError, ScreenPolicy, check_grpc_request, check_http_request, restarting_model_message
@@ -36,7 +37,7 @@ _INFER_PATH = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]*))?/infer$")
 _HOP_HEADERS = {b"connection", b"keep-alive", b"transfer-encoding", b"te", b"upgrade", b"proxy-connection"}
 # The only request headers Triton's inference endpoint reads; no other client header reaches it.
 _FORWARDED_HEADERS = {b"host", b"content-type", b"inference-header-content-length", b"accept-encoding"}
-UPSTREAM_TIMEOUT_S = 300.0
+UPSTREAM_TIMEOUT_S = REQUEST_TIMEOUT_S
 IDLE_UPSTREAM_CONNECTIONS = 64
 # The model whose requests carry an API key (gateway tasks: budgets, limits, the spend ledger).
 KEYED_MODEL = "router"

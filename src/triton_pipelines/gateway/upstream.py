@@ -27,7 +27,8 @@ import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Mapping
 
-from triton_pipelines.pipelines.routing import GatewaySettings, RouteError, RoutedRequest
+from triton_pipelines.errors import RouteError
+from triton_pipelines.pipelines.routing import GatewaySettings, RoutedRequest
 
 BASE_URL_ENV = "LLM_GATEWAY_BASE_URL"
 API_KEY_ENV = "LLM_GATEWAY_API_KEY"

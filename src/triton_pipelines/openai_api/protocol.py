@@ -32,12 +32,13 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 import orjson
 
+from triton_pipelines.limits import MAX_TEXT_BYTES
+
 # ----------------------------------------------------------------------------------- limits
 # Strings in one /v1/embeddings request (OpenAI's own limit). They go to Triton as requests of at most
 # the pipeline's max batch (64): a list of 64 strings is ONE request to text_embedding.
 MAX_EMBEDDING_INPUTS = 2048
 # One string: text_tokenizer's max_text_bytes (python_models/text_tokenizer/config.pbtxt).
-MAX_TEXT_BYTES = 64 * 1024
 # Multipart (audio): parts, the file (speech.MAX_AUDIO_BYTES, audio_features' max_audio_bytes),
 # every other field, and the file name.
 MAX_MULTIPART_PARTS = 16

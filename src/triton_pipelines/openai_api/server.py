@@ -43,25 +43,25 @@ from urllib.parse import quote
 
 import numpy as np
 
+from triton_pipelines.limits import REQUEST_TIMEOUT_S, TEXT_MAX_BATCH
 from triton_pipelines.openai_api import protocol as proto
 from triton_pipelines.gateway.keys import KeyRing, bearer_secret, keys_from_environment
-from triton_pipelines.errors import InputError
+from triton_pipelines.errors import InputError, RouteError
 from triton_pipelines.gateway.service import GatewayRefusal
 from triton_pipelines.repository.contract import BuiltManifest
 from triton_pipelines.prometheus_text import family
-from triton_pipelines.pipelines.routing import RouteError
+
 from triton_pipelines.front.screen import restarting_model_message
 from triton_pipelines.front.screen_server import Upstream, read_body, read_head
 
 GATEWAY_ERRORS = (GatewayRefusal, RouteError, InputError)  # what GatewayService raises for a request
-EMBEDDING_BATCH = 64  # text_embedding's max_batch_size
 # /v1/embeddings inputs of at most this many bytes (together) are token-counted on the event loop (~50 µs
 # for a sentence, ~0.2 ms at this size on the 2-core machine); longer ones in the thread pool, so that
 # one large request does not hold up the others (a hop costs ~0.12 ms of CPU).
 INLINE_TOKENS_BYTES = 512
 STREAM_MODEL = "speech_recognition_stream"
 TRITON_TIMEOUT_S = 60.0
-SPEECH_TIMEOUT_S = 300.0
+SPEECH_TIMEOUT_S = REQUEST_TIMEOUT_S
 CHAT_IN_FLIGHT = 64  # chat completions in flight on this process; more: 429
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 
@@ -508,7 +508,7 @@ class Frontend:
         parsed = proto.parse_embeddings(body, self.catalog)
         encoded = [text.encode("utf-8") for text in parsed.texts]
         calls = [asyncio.ensure_future(self.embed(parsed.model, encoded[a:b]))
-                 for a, b in proto.batches(len(encoded), EMBEDDING_BATCH)]
+                 for a, b in proto.batches(len(encoded), TEXT_MAX_BATCH)]
         try:
             if sum(len(text) for text in encoded) <= INLINE_TOKENS_BYTES:
                 # Short texts: counted here while Triton computes (the calls go out at this first

@@ -22,9 +22,10 @@ from pathlib import Path
 from typing import Iterable, Mapping, Union
 
 from triton_pipelines import prometheus_text
+from triton_pipelines.errors import INPUT_REASONS
 from triton_pipelines.repository.ensemble_graph import EnsembleGraph
 from triton_pipelines.repository.contract import STABLE_VERSION, BuiltManifest, parse_variant_name
-from triton_pipelines.pipelines.router_service import INPUT_REASONS
+
 from triton_pipelines.pipelines.routing import RouteTable
 
 
@@ -202,7 +203,7 @@ def _largest_p99(metrics: Metrics, family: Family, versions: Iterable[int]) -> f
 def measure(before: Metrics, after: Metrics, family: Family, share: float, target: int,
             sources: Iterable[int]) -> StepReport:
     """A hold's numbers between two scrapes (the gate's verdict not yet in ``breach``): requests and
-    failures of the canary's router tasks (client errors, ``router_service.INPUT_REASONS``, are
+    failures of the canary's router tasks (client errors, ``errors.INPUT_REASONS``, are
     not failures) and of the family's ensembles and members; what the target served; the target's
     and the old versions' p99 from the latest scrape."""
     def delta(name, **labels):

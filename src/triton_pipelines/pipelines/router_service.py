@@ -22,29 +22,10 @@ from typing import Any, Awaitable, Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 
-from triton_pipelines.errors import InputError, decode_utf8, parse_refusal, refusal_text
+from triton_pipelines.errors import InputError, RouteError, decode_utf8, error_kind, parse_refusal, refusal_text
 from triton_pipelines.gateway.upstream import Completion, GatewayClient
 from triton_pipelines.gateway.service import GatewayRefusal, GatewayService
-from triton_pipelines.pipelines.routing import RouteError, RoutedRequest, Router, json_bytes
-
-# Failure reasons that mean "not now" (HTTP 503 / UNAVAILABLE) rather than "bad request" (400) or
-# "our fault" (500).
-UNAVAILABLE_REASONS = frozenset({"not_loaded", "not_configured", "circuit_open", "timeout", "unreachable",
-                                 "upstream_status", "overloaded", "upstream_unavailable", "ledger_unavailable",
-                                 "over_budget", "rate_limited"})
-INPUT_REASONS = frozenset({"invalid_input", "upstream_invalid_input", "context_window", "unauthenticated",
-                           "model_not_allowed"})
-# Refused by the key (401/403) or its limits (429): the message carries errors.refusal_text's
-# marker, which the request screen turns into that HTTP status / gRPC code.
-REFUSAL_REASONS = frozenset({"unauthenticated", "model_not_allowed", "over_budget", "rate_limited"})
-
-
-def error_kind(reason: str) -> str:
-    """``invalid_input`` | ``unavailable`` | ``internal``: how a failure reason is answered."""
-    if reason in INPUT_REASONS:
-        return "invalid_input"
-    return "unavailable" if reason in UNAVAILABLE_REASONS else "internal"
-
+from triton_pipelines.pipelines.routing import RoutedRequest, Router, json_bytes
 
 @dataclass
 class Answer:

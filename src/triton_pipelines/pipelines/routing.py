@@ -24,6 +24,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from triton_pipelines.limits import SELF_HOSTED_DEADLINE_S, TEXT_MAX_BATCH
 from triton_pipelines.errors import InputError, as_bytes, decode_utf8
 # The variant names the builder writes; STABLE_VERSION: the version every plain ensemble pins and
 # the router serves by default (canary versions are 2, 3, ...).
@@ -35,16 +36,6 @@ MESSAGE_ROLES = ("system", "user", "assistant", "developer", "tool")
 IMAGE_MIME_TYPES = ("image/png", "image/jpeg", "image/webp", "image/gif")
 # A JSON escape of a UTF-16 surrogate: only then can a parsed string hold a lone one.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
-
-
-class RouteError(Exception):
-    """A request that could not be served; ``reason`` is the metric label (``failures_total``).
-    ``retry_after_s``: what an upstream asked us to wait before trying again, if it said."""
-
-    def __init__(self, reason: str, message: str, retry_after_s: float | None = None):
-        super().__init__(message)
-        self.reason = reason
-        self.retry_after_s = retry_after_s
 
 
 # ----------------------------------------------------------------------------------- route table
@@ -124,11 +115,11 @@ class RouteTable:
     gateway: GatewaySettings
     canaries: Mapping[str, Canary]
     max_payload_bytes: int = 8 << 20
-    max_rows_per_request: int = 64
+    max_rows_per_request: int = TEXT_MAX_BATCH
     # Self-hosted requests in flight at once (their queues are bounded downstream too) and their
     # default deadline.
     max_in_flight_triton: int = 256
-    triton_deadline_s: float = 120.0
+    triton_deadline_s: float = SELF_HOSTED_DEADLINE_S
     gateway_models: Mapping[str, GatewayModel] = field(default_factory=dict)
 
     @classmethod

@@ -29,6 +29,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from triton_pipelines.limits import MAX_AUDIO_BYTES, MAX_AUDIO_SECONDS
 from triton_pipelines.errors import InputError, UpstreamError, as_bytes, decode_utf8
 from triton_pipelines.pipelines.onnx_runner import NOT_CACHED, onnx_session
 
@@ -41,9 +42,6 @@ N_FRAMES = WINDOW_SAMPLES // HOP_LENGTH  # 3000
 # Whisper's text context is 448 positions; 4 go to the prompt.
 MAX_TARGET_POSITIONS = 448
 PROMPT_LENGTH = 4
-# Longer audio is refused before its samples are decoded (documented in docs/speech.md).
-MAX_AUDIO_SECONDS = 300.0
-MAX_AUDIO_BYTES = 64 * 1024 * 1024
 # Decoding work is channels × rate × seconds, read from the header before decoding: 300 s of 48 kHz
 # stereo. A small FLAC of 8 channels at 192 kHz would otherwise decode to GBs.
 MAX_DECODED_SAMPLES = 300 * 48000 * 2

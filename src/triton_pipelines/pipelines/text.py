@@ -17,6 +17,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from triton_pipelines.limits import MAX_TEXT_BYTES
 from triton_pipelines.errors import InputError, as_bytes, decode_utf8
 from triton_pipelines.pipelines.scoring import softmax
 
@@ -27,7 +28,6 @@ LENGTH_BUCKETS = (16, 32, 64, 128, 256)
 MAX_BATCH_TOKENS = 4096
 # A request text larger than this is refused rather than tokenized: tokenizing 1 MB costs ~100 ms
 # of a shared CPU for a result truncated to 256 tokens anyway.
-MAX_TEXT_BYTES = 64 * 1024
 # The parameters the builder writes into text_tokenizer's config.pbtxt (the source names none of
 # them): these constants are the one place each value lives (docs/design.md, "Change a limit").
 # The tokenizer's length_buckets parameter depends on how the target's encoder batches, so the

@@ -18,11 +18,11 @@ import urllib.request
 from pathlib import Path
 from typing import Callable
 
+from triton_pipelines.limits import LOOPBACK
 from triton_pipelines.gateway.keys import keys_from_environment
 from triton_pipelines.server.processes import free_ports, spawn
 from triton_pipelines.gateway.ledger import DATABASE_ENV
 
-LOOPBACK = "127.0.0.1"
 
 
 class FrontendProcess:

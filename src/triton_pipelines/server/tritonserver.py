@@ -11,6 +11,7 @@ import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from triton_pipelines.limits import LOOPBACK
 from triton_pipelines.gateway.keys import KEY_ID_PARAMETER
 from triton_pipelines.server.control import restricted_api_flags
 from triton_pipelines.repository.contract import PYTHON_BACKEND_SHM_CONFIG
@@ -24,7 +25,6 @@ PYTHON_BACKEND_CONFIG = PYTHON_BACKEND_SHM_CONFIG
 # Latency summaries (nv_inference_{request,queue,compute_infer}_summary_us, quantiles 0.5 to 0.999):
 # 2.51 has no latency histograms for non-decoupled models, and p99 queue time needs one or the other.
 METRICS_CONFIG = ("summary_latencies=true",)
-LOOPBACK = "127.0.0.1"
 # How long the start-up load may take before the launcher gives up (and the container restarts).
 # The one source of this value: docker-compose.yml's healthcheck start_period and the Kubernetes
 # startup probe are at least this long (tests/unit/deploy/test_images.py, tests/unit/deploy/test_k8s.py). Whisper

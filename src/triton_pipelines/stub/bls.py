@@ -1,7 +1,7 @@
 """Calling other models through BLS.
 
 The router (``call_async``): outputs as numpy, failures as ``RouteError`` with a reason that says
-whose fault it is (``router_service.error_kind``). ``whisper_decode`` (``call``,
+whose fault it is (``errors.error_kind``). ``whisper_decode`` (``call``,
 ``gather_rows``): outputs kept as Triton tensors (on the gpu target they may live on the GPU and
 are passed on as they are), failures as ``UpstreamError``."""
 
@@ -12,8 +12,8 @@ from typing import Mapping, Sequence
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from triton_pipelines.errors import INPUT_ERROR_PREFIX, UpstreamError
-from triton_pipelines.pipelines.routing import RouteError
+from triton_pipelines.errors import INPUT_ERROR_PREFIX, RouteError, UpstreamError
+
 
 # Messages of Triton's own refusals (2.51) that mean "not now" rather than "broken".
 _UNAVAILABLE_MESSAGES = ("Exceeds maximum queue size", "Request timeout expired", "Server is stopping",

@@ -4,7 +4,7 @@ a failure to Triton's error codes.
 A bad request (``InputError``) is answered alone with INVALID_ARG (HTTP 400 / gRPC
 INVALID_ARGUMENT), its message prefixed by ``INPUT_ERROR_PREFIX``; the other requests of the same
 ``execute`` are answered normally. Anything else is INTERNAL (500), or UNAVAILABLE (503) for the
-router's "not now" reasons (``router_service.error_kind``)."""
+router's "not now" reasons (``errors.error_kind``)."""
 
 from __future__ import annotations
 
@@ -14,14 +14,14 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from triton_pipelines.errors import INPUT_ERROR_PREFIX, InputError
-from triton_pipelines.pipelines.router_service import error_kind
+from triton_pipelines.errors import INPUT_ERROR_PREFIX, InputError, error_kind
+
 
 Outputs = Mapping[str, np.ndarray]  # output name → array (the request's rows)
 
 
 def response_error(reason: str, message: str):
-    """A ``pb_utils.TritonError`` for a failure reason (``router_service.error_kind``): bad input →
+    """A ``pb_utils.TritonError`` for a failure reason (``errors.error_kind``): bad input →
     INVALID_ARG, not now → UNAVAILABLE, else INTERNAL."""
     codes = {"invalid_input": pb_utils.TritonError.INVALID_ARG, "unavailable": pb_utils.TritonError.UNAVAILABLE,
              "internal": pb_utils.TritonError.INTERNAL}

@@ -16,10 +16,9 @@ from decimal import Decimal
 import numpy as np
 import pytest
 
-from triton_pipelines.errors import InputError
+from triton_pipelines.errors import InputError, RouteError
 from triton_pipelines.gateway.upstream import API_KEY_ENV, BASE_URL_ENV, CircuitBreaker, GatewayClient, retry_after_s
-from triton_pipelines.pipelines.routing import (GatewaySettings, RouteError, Router, RouteTable, SplitFile, choose_model,
-                                      choose_version, cost_usd, split_point, tensor_to_json)
+from triton_pipelines.pipelines.routing import GatewaySettings, Router, RouteTable, SplitFile, choose_model, choose_version, cost_usd, split_point, tensor_to_json
 
 from tests.support.fake_gateway import Reply
 from tests.support.paths import PROJECT_ROOT

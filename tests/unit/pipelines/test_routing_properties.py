@@ -12,9 +12,9 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from triton_pipelines.errors import InputError
+from triton_pipelines.errors import INPUT_REASONS, InputError, UNAVAILABLE_REASONS
 from triton_pipelines.gateway.upstream import GatewayClient
-from triton_pipelines.pipelines.router_service import INPUT_REASONS, UNAVAILABLE_REASONS, RouterService
+from triton_pipelines.pipelines.router_service import RouterService
 from triton_pipelines.pipelines.routing import RoutedRequest, Router, RouteTable
 from tests.support.paths import PROJECT_ROOT
 

@@ -1,0 +1,36 @@
+"""Every limit and default that crosses a process or a file, written once (Ray Serve's
+``constants.py`` pattern). Whatever must restate one of these (``data/routes.yaml``, a built
+``config.pbtxt`` parameter, nginx's rendered configuration) is tied to it by
+tests/unit/base/test_limits.py. Standard library only: every layer imports it."""
+
+from __future__ import annotations
+
+# Where internal listeners bind: tritonserver's own ports, the screen, the /v1 frontend.
+LOOPBACK = "127.0.0.1"
+
+# ---------------------------------------------------------------------------------- the public front
+# The JSON part of an HTTP request: Triton 2.51 crashes at ~4 MiB of flat JSON and at a nesting
+# depth of ~104,000 (~208 KB). 128 KiB can nest at most 65,536 deep; anything larger goes binary.
+DEFAULT_MAX_JSON_BYTES = 128 * 1024
+# A whole request, binary tensors included: the largest legal input, a 64 MiB audio file.
+MAX_AUDIO_BYTES = 64 * 1024 * 1024
+DEFAULT_MAX_BODY_BYTES = MAX_AUDIO_BYTES
+# Inference requests in flight through both public ports together (every replica behind them):
+# the back-pressure of the whole server. The models have no queue policy (a Triton 2.51 policy
+# stalls its batcher, build/repo_builder/compute.py), so this bounds every queue behind the front.
+DEFAULT_MAX_INFLIGHT = 256
+
+# ------------------------------------------------------------------------------------- deadlines
+# The slowest legal request (300 s of audio at saturation): nginx's upstream timeout, the screen's,
+# the /v1 frontend's for speech, our client's network timeout, the speech route's deadline.
+REQUEST_TIMEOUT_S = 300.0
+# Longer audio is refused before its samples are decoded (docs/speech.md).
+MAX_AUDIO_SECONDS = 300.0
+# A self-hosted route's deadline when data/routes.yaml names none (`limits.triton_deadline_s`).
+SELF_HOSTED_DEADLINE_S = 60.0
+
+# ------------------------------------------------------------------------------------------- text
+# One string of a text input (the tokenizer's `max_text_bytes` parameter, /v1/embeddings' input).
+MAX_TEXT_BYTES = 64 * 1024
+# Texts per batch: text_embedding's max_batch_size, /v1/embeddings' chunk, the router's rows.
+TEXT_MAX_BATCH = 64
