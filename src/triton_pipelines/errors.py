@@ -85,6 +85,11 @@ def refusal_text(status: int, message: str, retry_after_s: float | None = None) 
     return f"[refused {status}{after}] {message}"
 
 
+def openai_error_body(message: str, kind: str, code: str | None = None, param: str | None = None) -> dict:
+    """OpenAI's error shape, built here only: the /v1 frontend's errors and nginx's /v1 refusals."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
 def parse_refusal(text: str) -> tuple[int, int | None, str] | None:
     """(status, Retry-After seconds or None, message without the marker), or None."""
     found = _REFUSAL.match(text)

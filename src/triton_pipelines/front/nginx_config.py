@@ -46,6 +46,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from triton_pipelines.errors import openai_error_body
 from triton_pipelines.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_JSON_BYTES, REQUEST_TIMEOUT_S
 from triton_pipelines.server.processes import child_pids, spawn
 
@@ -202,7 +203,7 @@ OPENAI_ERRORS = {"too_large": ("too_large", "invalid_request_error", "request_to
 
 def _openai_error(message: str, kind: str, code: str) -> str:
     """An nginx string literal holding OpenAI's error shape."""
-    body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}})
+    body = json.dumps(openai_error_body(message, kind, code))
     return "'" + body.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Iterator, Mapping, Protocol
 
 from triton_pipelines.gateway.keys import ApiKey, KeyRing, keys_from_environment
-from triton_pipelines.errors import InputError, RouteError, refusal_text
+from triton_pipelines.errors import REFUSAL_STATUSES, InputError, RouteError, refusal_text
 from triton_pipelines.gateway.upstream import MIN_ATTEMPT_S, GatewayClient
 from triton_pipelines.pipelines.routing import RoutedRequest, RouteTable, choose_model, estimate_prompt_tokens
 from triton_pipelines.gateway.ledger import (KeyLimits, LimitExceeded, SpendLedger, call_cost_nusd, database_url, redacted_url,
@@ -67,27 +67,20 @@ class GatewayRefusal(Exception):
     model it may not use: 403) or by a limit of its key (budget, rpm, tpm: 429).
 
     ``reason`` is the metric label (``unauthenticated``, ``model_not_allowed``, ``over_budget``,
-    ``rate_limited``); ``openai_type``/``openai_code`` the OpenAI error body's fields."""
-
-    GRPC = {401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 429: "RESOURCE_EXHAUSTED"}
+    ``rate_limited``), ``limit`` the key's limit that refused (``budget``, ``rpm``, ``tpm``). Each
+    transport maps it once: gRPC by ``errors.REFUSAL_STATUSES``, /v1 by ``openai_api.protocol.REFUSALS``."""
 
     def __init__(self, status: int, reason: str, message: str, retry_after_s: float | None = None,
-                 openai_type: str = "", openai_code: str = "", limit: str = ""):
+                 limit: str = ""):
         super().__init__(message)
         self.status, self.reason, self.message = status, reason, message
-        self.grpc_code = self.GRPC[status]
+        self.grpc_code = REFUSAL_STATUSES[status]
         self.retry_after_s = None if retry_after_s is None else float(max(1, math.ceil(retry_after_s)))
-        self.openai_type = openai_type or {401: "invalid_request_error", 403: "permission_error",
-                                           429: "rate_limit_error"}[status]
-        self.openai_code = openai_code or reason
         self.limit = limit
 
     def marked(self) -> str:
         """The message with the marker the request screen turns into this status (errors.py)."""
         return refusal_text(self.status, self.message, self.retry_after_s)
-
-    def openai_error(self) -> dict:
-        return {"error": {"message": self.message, "type": self.openai_type, "param": None, "code": self.openai_code}}
 
 
 @dataclass(frozen=True)
@@ -218,7 +211,7 @@ class GatewayService:
         self.recorder.refusal("unknown", "unauthenticated")
         text = ("gateway requests need an API key: send `Authorization: Bearer <key>`" if which == "missing"
                 else "the API key is not known to this server")
-        return GatewayRefusal(401, "unauthenticated", text, openai_code="invalid_api_key")
+        return GatewayRefusal(401, "unauthenticated", text)
 
     def publish_budgets(self) -> None:
         """Set the budget gauges of every key from the ledger (at start, and for the report)."""
@@ -392,7 +385,7 @@ class GatewayService:
         if api_key is not None and not api_key.allows_model(requested):
             self.recorder.refusal(api_key.name, "model_not_allowed")
             raise GatewayRefusal(403, "model_not_allowed", f"key {api_key.name} may not use model {requested} "
-                                 f"(its models: {', '.join(api_key.models or ())})", openai_code="model_not_allowed")
+                                 f"(its models: {', '.join(api_key.models or ())})")
         settings = self.table.gateway
         budget_s = deadline_s if deadline_s is not None else (
             self.table.deadline_s(task) if task else settings.deadline_s)
@@ -544,10 +537,7 @@ class GatewayService:
             message = str(exceeded)
             if attempts:
                 message += f" (while falling back from {attempts[0].model}: {fallback_label(attempts[0])})"
-            raise GatewayRefusal(429, reason, message, exceeded.retry_after_s, openai_type=(
-                "insufficient_quota" if reason == "over_budget" else "rate_limit_error"),
-                openai_code="budget_exceeded" if reason == "over_budget" else f"{exceeded.limit}_exceeded",
-                limit=exceeded.limit) from None
+            raise GatewayRefusal(429, reason, message, exceeded.retry_after_s, limit=exceeded.limit) from None
         except Exception as error:  # the database is down: fail closed, the budget cannot be checked
             self.log(f"gateway: spend ledger unavailable ({type(error).__name__}: {error})")
             raise RouteError("ledger_unavailable", "the spend ledger is unavailable, so the key's budget cannot "

@@ -32,6 +32,7 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 import orjson
 
+from triton_pipelines.errors import openai_error_body
 from triton_pipelines.limits import MAX_TEXT_BYTES
 
 # ----------------------------------------------------------------------------------- limits
@@ -74,7 +75,7 @@ class OpenAIError(Exception):
         super().__init__(self.message)
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return openai_error_body(self.message, self.type, self.code, self.param)
 
 
 def invalid(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
@@ -531,14 +532,23 @@ GATEWAY_FAILURES = {
 }
 
 
+# A gateway refusal (GatewayRefusal's reason) → OpenAI's error type and code; rate limits name
+# their limit (rpm_exceeded, tpm_exceeded).
+REFUSALS = {"unauthenticated": ("invalid_request_error", "invalid_api_key"),
+            "model_not_allowed": ("permission_error", "model_not_allowed"),
+            "over_budget": ("insufficient_quota", "budget_exceeded"),
+            "rate_limited": ("rate_limit_error", "{limit}_exceeded")}
+
+
 def gateway_failure(error: Exception) -> OpenAIError:
     """A failure of ``GatewayService`` → the OpenAI error: a refusal (``GatewayRefusal``: 401, 403,
     429 with ``Retry-After``), bad input (``InputError``: 400), or the gateway failing on every
     model tried (``RouteError``: by reason, ``GATEWAY_FAILURES``)."""
     retry = getattr(error, "retry_after_s", None)
     headers = {"Retry-After": str(max(1, math.ceil(retry)))} if retry else {}
-    if hasattr(error, "openai_type"):  # GatewayRefusal
-        return OpenAIError(error.status, error.message, error.openai_type, None, error.openai_code, headers)
+    if hasattr(error, "grpc_code"):  # GatewayRefusal
+        kind, code = REFUSALS[error.reason]
+        return OpenAIError(error.status, error.message, kind, None, code.format(limit=error.limit), headers)
     reason = getattr(error, "reason", None)
     if reason is None:  # InputError
         return invalid(str(error), "model")

@@ -146,8 +146,8 @@ def test_keys_budget_and_allow_list(fake, tmp_path):
             served += 1
     assert served == 3  # 0, 144, 288 µ$ < 300 µ$ when admitted; 432 µ$ spent ≤ budget + one call
     error = refused.value
-    assert (error.status, error.grpc_code, error.reason, error.openai_code) == (429, "RESOURCE_EXHAUSTED",
-                                                                                "over_budget", "budget_exceeded")
+    assert (error.status, error.grpc_code, error.reason, error.limit) == (429, "RESOURCE_EXHAUSTED", "over_budget",
+                                                                          "budget")
     assert "team-a" in error.message and "$0.0003" in error.message and 1 <= error.retry_after_s <= 3600
     status, retry_after, text = parse_refusal(error.marked())
     assert (status, retry_after, text) == (429, error.retry_after_s, error.message)

@@ -259,10 +259,10 @@ def test_streamed_chunks_lose_x_gateway_and_the_usage_chunk_needs_include_usage(
 def test_gateway_refusals_and_failures_are_openai_errors():
     from triton_pipelines.errors import InputError
     from triton_pipelines.gateway.service import GatewayRefusal
-    from triton_pipelines.pipelines.routing import RouteError
+    from triton_pipelines.errors import RouteError
 
     error = proto.gateway_failure(GatewayRefusal(429, "over_budget", "key team-a has spent its budget of $0.005",
-                                                 12.2, "insufficient_quota", "budget_exceeded", "budget"))
+                                                 12.2, "budget"))
     assert (error.status, error.type, error.code, dict(error.headers)) == (
         429, "insufficient_quota", "budget_exceeded", {"Retry-After": "13"})
     error = proto.gateway_failure(GatewayRefusal(403, "model_not_allowed", "key team-a may not use model gpt-4.1"))
