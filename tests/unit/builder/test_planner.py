@@ -1,6 +1,5 @@
-"""The memory planner (``python -m repo_builder plan``): its CPU estimates against the measured
-memory of each compute model's stub (on the compute-models server, not the session server), and its verdicts
-and placements for a few repositories and GPU sizes."""
+"""The memory planner (``python -m repo_builder plan``): its verdicts and placements for a few
+repositories and GPU sizes (its estimates against measured stubs: tests/server/test_planner_measured.py)."""
 
 from __future__ import annotations
 

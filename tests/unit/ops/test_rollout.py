@@ -1,14 +1,5 @@
-"""The rollout command on a server of this module's own (the text pipelines and the router on a
-private copy of the repository), under continuous load from HTTP and gRPC clients, both direct
-ensemble callers and router callers:
-
-- a full rollout 1 → 2 in steps and a rollback 2 → 1 fail no request, every answer is exactly
-  version 1's or version 2's (no answer from a half-loaded model), the router's version label is
-  the version that answered, and direct callers are on the new version once the command returns;
-- a gate past its threshold rolls the rollout back by itself, still without a failed request;
-- new files for the serving version are put in place and reloaded without a failed request, the
-  latency-class variant (symlinked files) included.
-Plus the logic without a server: metrics parsing, the gate, the family read from the repository."""
+"""The rollout's logic without a server: metrics parsing, the gate, the family read from the
+repository (the rollout under load: tests/server/test_rollout.py)."""
 
 from __future__ import annotations
 

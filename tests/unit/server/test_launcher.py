@@ -1,4 +1,5 @@
-"""The embedded launcher: ports, readiness, and a clean stop that lets in-flight requests finish."""
+"""The launcher without a server: its options, ports and the start-up checks (the launcher serving:
+tests/server/test_launcher.py)."""
 
 from __future__ import annotations
 

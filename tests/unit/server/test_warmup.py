@@ -1,9 +1,5 @@
-"""Warm-up: every compute model's generated config carries ``model_warmup`` that Triton runs on each
-instance while loading it (before the version is READY), and one request through an ensemble
-(``warmup.warm_pipelines``, which the launcher sends for every loaded ensemble before it announces
-the server ready) runs every step of the pipeline. The latency effect is measured by
-``make lifecycle`` (docs/lifecycle.md), not asserted here: a shared machine's timings would make it
-flaky."""
+"""Warm-up without a server: every compute model's generated config has a warm-up sample for each
+input (the warm-up on a server: tests/server/test_warmup.py)."""
 
 from __future__ import annotations
 
