@@ -52,7 +52,7 @@ from triton_pipelines.repository.contract import BuiltManifest
 from triton_pipelines.prometheus_text import family
 
 from triton_pipelines.front.screen import restarting_model_message
-from triton_pipelines.front.screen_server import Upstream, read_body, read_head
+from triton_pipelines.http1 import Upstream, read_body, read_head
 
 GATEWAY_ERRORS = (GatewayRefusal, RouteError, InputError)  # what GatewayService raises for a request
 # /v1/embeddings inputs of at most this many bytes (together) are token-counted on the event loop (~50 µs
