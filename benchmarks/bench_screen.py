@@ -8,7 +8,8 @@ the gRPC numbers include the Python gRPC client's own cost twice."""
 import asyncio, json, time, statistics
 import grpc
 from triton_pipelines.front.screen import ScreenPolicy
-from triton_pipelines.front.screen_server import HttpScreen, Upstream, GrpcScreen, GRPC_INFER_METHOD
+from triton_pipelines.front.screen_server import HttpScreen, GrpcScreen, GRPC_INFER_METHOD
+from triton_pipelines.http1 import Upstream
 from tritonclient.grpc import service_pb2
 
 BODY = json.dumps({"inputs": [{"name": "text", "shape": [1, 1], "datatype": "BYTES", "data": ["How do I reset my password?"]}]}).encode()

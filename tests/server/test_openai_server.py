@@ -133,7 +133,7 @@ def test_the_embedding_requests_raw_grpc_form_is_tritonclients():
     from tritonclient.utils import serialize_byte_tensor
 
     from triton_pipelines.openai_api import protocol as proto
-    from triton_pipelines.openai_api.server import bytes_request, fp32_output
+    from triton_pipelines.openai_api.triton_grpc import bytes_request, fp32_output
 
     texts = ["How do I reset my password?".encode(), b"", "héllo".encode(), b"x" * 70_000]
     request = bytes_request(service_pb2, "text_embedding", "text", texts, "embedding")
@@ -157,7 +157,7 @@ def test_the_embedding_requests_raw_grpc_form_is_tritonclients():
 
 def test_binary_http_answers_are_read_by_offset_and_checked():
     from triton_pipelines.openai_api import protocol as proto
-    from triton_pipelines.openai_api.server import http_fp32_output
+    from triton_pipelines.openai_api.triton_http import http_fp32_output
 
     vectors = np.arange(6, dtype=np.float32).reshape(2, 3)
     header = json.dumps({"outputs": [{"name": "other", "datatype": "BYTES", "shape": [1],

@@ -54,7 +54,7 @@ ROUTER_GATEWAY = {"router_gateway_tokens_total": "counter", "router_gateway_cost
                   "router_key_window_spend_usd": "gauge", "router_key_soft_budget_usd": "gauge",
                   "router_fallbacks_total": "counter", "router_cooldowns_total": "counter",
                   "router_refusals_total": "counter"}
-# The OpenAI-compatible frontend's (openai_server.py), merged into :8002/metrics by the launcher
+# The OpenAI-compatible frontend's (openai_api/metrics.py), merged into :8002/metrics by the launcher
 # (tests/server/test_openai_server.py and tests/server/test_gateway_chat.py read them through a server).
 OPENAI_FRONTEND = {"openai_requests_total": "counter", "openai_spend_usd_total": "counter",
                    "openai_budget_remaining_usd": "gauge", "openai_key_window_spend_usd": "gauge",

@@ -10,7 +10,7 @@ and statistics go from nginx to Triton directly.
         --triton-http 127.0.0.1:A --triton-grpc 127.0.0.1:B --max-body-bytes N [--public-models-file F]
 
 HTTP from nginx is well-formed HTTP/1.1 with a ``Content-Length`` (nginx buffered the body); the
-forwarder speaks exactly that, with a pool of keep-alive connections to Triton.
+forwarder speaks exactly that, with a pool of keep-alive connections to Triton (``http1.py``).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from urllib.parse import unquote
 from triton_pipelines.limits import REQUEST_TIMEOUT_S
 from triton_pipelines.gateway.keys import KEY_ID_PARAMETER, KeyRing, bearer_secret, keys_from_environment
 from triton_pipelines.errors import REFUSAL_STATUSES, parse_refusal
+from triton_pipelines.http1 import Upstream, header, read_body, read_head
 from triton_pipelines.front.screen import ScreenError, ScreenPolicy, check_grpc_request, check_http_request, restarting_model_message
 
 GRPC_INFER_METHOD = "/inference.GRPCInferenceService/ModelInfer"
@@ -38,7 +39,6 @@ _HOP_HEADERS = {b"connection", b"keep-alive", b"transfer-encoding", b"te", b"upg
 # The only request headers Triton's inference endpoint reads; no other client header reaches it.
 _FORWARDED_HEADERS = {b"host", b"content-type", b"inference-header-content-length", b"accept-encoding"}
 UPSTREAM_TIMEOUT_S = REQUEST_TIMEOUT_S
-IDLE_UPSTREAM_CONNECTIONS = 64
 # The model whose requests carry an API key (gateway tasks: budgets, limits, the spend ledger).
 KEYED_MODEL = "router"
 _TRANSPORT_FAILURE = re.compile(r"failed to connect|connection refused|socket closed|connection reset|"
@@ -91,67 +91,6 @@ def refused_answer(status: int, body: bytes) -> bytes | None:
 
 TRITON_GONE = http_response(503, error_body("the inference server is starting or restarting: retry shortly"),
                             [(b"Retry-After", b"1")])
-
-
-class Upstream:
-    """Keep-alive HTTP/1.1 connections to one Triton HTTP port."""
-
-    def __init__(self, address: str):
-        self.host, port = address.rsplit(":", 1)
-        self.port = int(port)
-        self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
-
-    async def connection(self):
-        """(reader, writer, reused): a pooled connection if one is open, else a new one."""
-        while self.idle:
-            reader, writer = self.idle.pop()
-            if not writer.is_closing() and not reader.at_eof():
-                return reader, writer, True
-            writer.close()
-        reader, writer = await asyncio.open_connection(self.host, self.port, limit=2**20)
-        return reader, writer, False
-
-    def release(self, reader, writer, reusable: bool) -> None:
-        if reusable and len(self.idle) < IDLE_UPSTREAM_CONNECTIONS:
-            self.idle.append((reader, writer))
-        else:
-            writer.close()
-
-
-async def read_head(reader: asyncio.StreamReader) -> tuple[bytes, list[tuple[bytes, bytes]]] | None:
-    try:
-        raw = await reader.readuntil(b"\r\n\r\n")
-    except asyncio.IncompleteReadError:
-        return None
-    lines = raw[:-4].split(b"\r\n")
-    headers = []
-    for line in lines[1:]:
-        name, _, value = line.partition(b":")
-        headers.append((name.strip().lower(), value.strip()))
-    return lines[0], headers
-
-
-def header(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes | None:
-    for key, value in headers:
-        if key == name:
-            return value
-    return None
-
-
-async def read_body(reader: asyncio.StreamReader, headers) -> bytes:
-    length = header(headers, b"content-length")
-    if length is not None:
-        return await reader.readexactly(int(length))
-    if (header(headers, b"transfer-encoding") or b"").lower() == b"chunked":
-        chunks = []
-        while True:
-            size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
-            if size == 0:
-                await reader.readuntil(b"\r\n")  # no trailers from Triton
-                return b"".join(chunks)
-            chunks.append(await reader.readexactly(size))
-            await reader.readexactly(2)
-    return b""
 
 
 class HttpScreen:

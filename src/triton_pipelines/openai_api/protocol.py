@@ -1,7 +1,7 @@
 """The OpenAI-compatible surface's protocol: request validation, errors, response shapes, SSE framing.
 
-Plain functions and data, no server and no Triton: ``openai_server.py`` (the aiohttp process the
-launcher runs behind nginx's ``/v1/``) is a thin layer over this module, and
+Plain functions and data, no server and no Triton: the rest of ``openai_api/`` (the aiohttp process
+the launcher runs behind nginx's ``/v1/``) is a thin layer over this module, and
 ``tests/unit/openai_api/test_protocol.py`` tests it without a server.
 
 - Errors have OpenAI's shape ``{"error": {"message", "type", "param", "code"}}`` and status

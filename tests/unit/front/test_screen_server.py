@@ -9,7 +9,8 @@ import json
 import pytest
 
 from triton_pipelines.front.screen import ScreenPolicy
-from triton_pipelines.front.screen_server import HttpScreen, Upstream
+from triton_pipelines.front.screen_server import HttpScreen
+from triton_pipelines.http1 import Upstream
 
 BODY = json.dumps({"inputs": [{"name": "text", "shape": [1, 1], "datatype": "BYTES", "data": ["hi"]}]}).encode()
 STUB_DEAD = b'{"error":"Failed to process the request(s) for model \'text_tokenizer_0_0\', message: Stub process \'text_tokenizer_0_0\' is not healthy."}'

@@ -372,7 +372,7 @@ def test_a_cancelled_request_stops_decoding_and_gets_one_empty_final_response(mo
 def test_triton_failures_map_to_openai_errors():
     from tritonclient.utils import InferenceServerException
 
-    from triton_pipelines.openai_api.server import triton_error
+    from triton_pipelines.openai_api.triton_grpc import triton_error
 
     def failure(message, status):
         return triton_error(InferenceServerException(message, status=status), "audio")
@@ -388,7 +388,7 @@ def test_triton_failures_map_to_openai_errors():
 
 
 def test_metrics_label_known_models_only_and_render_prometheus_text():
-    from triton_pipelines.openai_api.server import Metrics
+    from triton_pipelines.openai_api.metrics import Metrics
     from triton_pipelines.prometheus_text import parse_samples, total
 
     metrics = Metrics({"text_embedding"})

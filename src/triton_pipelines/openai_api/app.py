@@ -1,0 +1,101 @@
+"""The ``/v1`` aiohttp application: its routes to the endpoint groups (``models.py``,
+``embeddings.py``, ``audio.py``, ``chat.py``), ``GET /metrics`` and ``GET /health``, and the
+middleware every ``/v1`` request passes: the bearer key (``$TRITON_API_KEYS_FILE``; the key found is
+``request["api_key"]``), the errors as OpenAI error bodies, the request metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+
+from triton_pipelines.gateway.keys import KeyRing, bearer_secret
+from triton_pipelines.openai_api import protocol as proto
+from triton_pipelines.openai_api.audio import ServingAudio
+from triton_pipelines.openai_api.chat import ServingChat
+from triton_pipelines.openai_api.embeddings import TRITON_TIMEOUT_S, ServingEmbeddings
+from triton_pipelines.openai_api.metrics import Metrics
+from triton_pipelines.openai_api.models import ServingModels
+from triton_pipelines.openai_api.replies import error_reply, reply
+from triton_pipelines.openai_api.triton_grpc import Triton
+from triton_pipelines.openai_api.triton_http import TritonHttp
+
+
+class Frontend:
+    def __init__(self, triton: Triton, catalog: proto.ModelCatalog, keys: KeyRing | None, token_counter,
+                 gateway=None, language_codes=(), triton_timeout_s: float = TRITON_TIMEOUT_S,
+                 triton_http: TritonHttp | None = None):
+        self.catalog, self.keys = catalog, keys
+        known = {row["id"] for row in catalog.entries()}
+        self.metrics = Metrics(known)
+        self.draining = False
+        self.models = ServingModels(catalog)
+        self.embeddings = ServingEmbeddings(triton, catalog, token_counter, triton_timeout_s, triton_http)
+        self.audio = ServingAudio(triton, catalog, language_codes, self.metrics)
+        self.chat = ServingChat(gateway, catalog, self.metrics)
+
+    def app(self):
+        from aiohttp import web
+
+        app = web.Application(middlewares=[self.middleware], client_max_size=proto.MAX_JSON_BODY_BYTES)
+        app.router.add_get("/v1/models", self.models.models)
+        app.router.add_get("/v1/models/{model}", self.models.model)
+        app.router.add_post("/v1/embeddings", self.embeddings.embeddings)
+        app.router.add_post("/v1/audio/transcriptions", self.audio.transcriptions)
+        app.router.add_post("/v1/audio/translations", self.audio.translations)
+        app.router.add_post("/v1/chat/completions", self.chat.chat_completions)
+        app.router.add_get("/metrics", self.metrics_page)
+        app.router.add_get("/health", self.health)
+        return app
+
+    async def middleware(self, app, handler):
+        from aiohttp import web
+
+        async def handle(request):
+            if not request.path.startswith("/v1"):
+                return await handler(request)
+            started = time.perf_counter()
+            endpoint = request.path.split("?")[0]
+            if request.match_info.route.resource is None or endpoint.startswith("/v1/models/"):
+                endpoint = "/v1/models" if endpoint.startswith("/v1/models") else "other"
+            request["model"] = None
+            status = 500
+            try:
+                if self.keys is not None:
+                    secret = bearer_secret(request.headers.get("Authorization"))
+                    if secret is None:
+                        raise proto.unauthorized("You didn't provide an API key: send 'Authorization: Bearer <key>'")
+                    request["api_key"] = self.keys.lookup(secret)
+                    if request["api_key"] is None:
+                        raise proto.unauthorized("Incorrect API key provided.")
+                else:
+                    request["api_key"] = None
+                response = await handler(request)
+                status = response.status
+                return response
+            except proto.OpenAIError as error:
+                status = error.status
+                return error_reply(error)
+            except web.HTTPException as error:  # aiohttp's own: unknown path, wrong method, body too large
+                status = error.status
+                kind = {404: ("not found: no such /v1 endpoint", "not_found"),
+                        405: (f"method {request.method} is not allowed here", "method_not_allowed"),
+                        413: ("the request body is too large", "request_too_large")}
+                message, code = kind.get(error.status, (error.reason, None))
+                return error_reply(proto.OpenAIError(error.status, message, "invalid_request_error", None, code))
+            except (ConnectionResetError, asyncio.CancelledError):
+                status = 499  # the client left
+                raise
+            except Exception as error:  # noqa: BLE001 - a bug answers 500, the server lives
+                status = 500
+                print(f"[openai] {endpoint}: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
+                return error_reply(proto.internal(f"internal error ({type(error).__name__})"))
+            finally:
+                self.metrics.observe(endpoint, request.get("model"), status, time.perf_counter() - started)
+        return handle
+
+    async def metrics_page(self, request):
+        return reply(self.metrics.render(), content_type="text/plain")
+
+    async def health(self, request):
+        return reply({"status": "draining" if self.draining else "ok"}, 503 if self.draining else 200)
