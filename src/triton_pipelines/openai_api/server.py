@@ -47,7 +47,7 @@ from triton_pipelines.limits import REQUEST_TIMEOUT_S, TEXT_MAX_BATCH
 from triton_pipelines.openai_api import protocol as proto
 from triton_pipelines.gateway.keys import KeyRing, bearer_secret, keys_from_environment
 from triton_pipelines.errors import InputError, RouteError
-from triton_pipelines.gateway.service import GatewayRefusal
+from triton_pipelines.gateway.refusal import GatewayRefusal
 from triton_pipelines.repository.contract import BuiltManifest
 from triton_pipelines.prometheus_text import family
 
@@ -77,7 +77,7 @@ class Metrics:
         self.disconnects: Counter = Counter()
         self.buckets: dict[tuple[str, str], list[int]] = {}
         self.sums: Counter = Counter()
-        # GatewayService's spend recorder (gateway_service.SpendRecorder): /v1 chat's share
+        # GatewayService's spend recorder (gateway.recorder.SpendRecorder): /v1 chat's share
         self.spent: Counter = Counter()
         self.fallbacks: Counter = Counter()
         self.cooldowns: Counter = Counter()
