@@ -47,7 +47,8 @@ from triton_pipelines.gateway.keys import ApiKey, KeyRing, keys_from_environment
 from triton_pipelines.errors import InputError, RouteError
 from triton_pipelines.gateway.upstream import MIN_ATTEMPT_S, GatewayClient
 from triton_pipelines.pipelines.routing import RoutedRequest, RouteTable, choose_model, estimate_prompt_tokens
-from triton_pipelines.gateway.ledger import KeyLimits, SpendLedger, call_cost_nusd, database_url, redacted_url, usd
+from triton_pipelines.gateway.ledger import KeyLimits, SpendLedger, call_cost_nusd, usd
+from triton_pipelines.gateway.ledger_db import database_url, redacted_url
 from triton_pipelines.gateway.access import Access
 from triton_pipelines.gateway.admission import Admission, Plan
 from triton_pipelines.gateway.fallback import Attempt, Fallbacks, fallback_label
