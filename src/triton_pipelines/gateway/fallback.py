@@ -43,10 +43,6 @@ class Fallbacks:
                  settle: Callable[..., Awaitable[None]], recorder: SpendRecorder):
         self.client, self.larger_window, self.settle, self.recorder = client, larger_window, settle, recorder
 
-    def cooling_down(self, model: str) -> bool:
-        """Is ``model``'s circuit open (skipped without a call)?"""
-        return self.client.breaker(model).state == "open"
-
     async def after_failure(self, error: RouteError, row: int | None, current: str, chain: list[str],
                             attempts: list[Attempt], started: float, was_open: bool, task: str | None,
                             api_key: ApiKey | None) -> list[str]:
