@@ -26,6 +26,8 @@ seconds (rolling); a refusal says when the window reopens (``retry_after_s``).
 
 Amounts are integers of nano-dollars (1e-9 USD), exact in both databases: a price with up to three
 decimals per million tokens is exact per token; finer prices are rounded up.
+
+The database itself (its URL, connection, schema, transactions, dialects) is ``ledger_db.py``.
 """
 
 from __future__ import annotations
@@ -33,59 +35,19 @@ from __future__ import annotations
 import math
 import os
 import socket
-import sqlite3
-import threading
 import time
 from dataclasses import dataclass
 from decimal import ROUND_CEILING, Decimal
-from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
-from urllib.parse import unquote, urlparse
+from typing import Any, Callable, Iterable, Sequence
 
-DATABASE_ENV = "SPEND_DATABASE_URL"
+from triton_pipelines.gateway.ledger_db import CHARGED, TOKENS, LedgerDatabase, redacted_url
+
 NANO = 10**9
 RATE_WINDOW_S = 60.0
 # What a reservation may outlive its request's deadline by before it is abandoned.
 RESERVATION_MARGIN_S = 60.0
 ANONYMOUS_NAME = "anonymous"
 STATUSES = ("reserved", "success", "failed", "abandoned")
-
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS spend_keys (
-    key_id TEXT PRIMARY KEY,
-    key_name TEXT NOT NULL,
-    created_at DOUBLE PRECISION NOT NULL
-);
-CREATE TABLE IF NOT EXISTS spend_log (
-    id {serial},
-    request_id TEXT NOT NULL,
-    key_id TEXT NOT NULL,
-    key_name TEXT NOT NULL,
-    task TEXT NOT NULL,
-    model TEXT NOT NULL,
-    status TEXT NOT NULL,
-    counts_request INTEGER NOT NULL,
-    started_at DOUBLE PRECISION NOT NULL,
-    expires_at DOUBLE PRECISION NOT NULL,
-    settled_at DOUBLE PRECISION,
-    reserved_nusd BIGINT NOT NULL,
-    reserved_tokens BIGINT NOT NULL,
-    input_tokens BIGINT,
-    output_tokens BIGINT,
-    cost_nusd BIGINT,
-    latency_s DOUBLE PRECISION,
-    outcome TEXT,
-    fallback_from TEXT,
-    fallback_reason TEXT,
-    replica TEXT NOT NULL
-);
-CREATE INDEX IF NOT EXISTS spend_log_key_started ON spend_log (key_id, started_at);
-CREATE INDEX IF NOT EXISTS spend_log_status_expires ON spend_log (status, expires_at);
-"""
-# What a row counts against a budget: its reservation while outstanding, else what it cost.
-CHARGED = "(CASE WHEN status = 'reserved' THEN reserved_nusd ELSE COALESCE(cost_nusd, 0) END)"
-TOKENS = ("(CASE WHEN status = 'reserved' THEN reserved_tokens "
-          "ELSE COALESCE(input_tokens, 0) + COALESCE(output_tokens, 0) END)")
 
 
 def nano_usd(amount: Decimal | float | int | str) -> int:
@@ -170,130 +132,22 @@ class KeySpend:
         return self.spent_nusd + self.reserved_nusd
 
 
-def database_url(state_dir: Path | str | None = None, environ: Mapping[str, str] | None = None) -> str | None:
-    """``$SPEND_DATABASE_URL``, else ``sqlite:///<state_dir>/spend.db``, else None (no ledger)."""
-    environ = os.environ if environ is None else environ
-    url = environ.get(DATABASE_ENV, "").strip()
-    if url:
-        return url
-    return f"sqlite:///{Path(state_dir).resolve() / 'spend.db'}" if state_dir else None
-
-
-def redacted_url(url: str) -> str:
-    """The URL without its password (for logs)."""
-    parsed = urlparse(url)
-    if parsed.password:
-        netloc = parsed.netloc.replace(f":{parsed.password}@", ":***@")
-        return parsed._replace(netloc=netloc).geturl()
-    return url
-
-
 class SpendLedger:
-    """One connection, one lock per process; safe to call from any thread (the router calls it from
-    worker threads: ``asyncio.to_thread``)."""
+    """Budgets, rpm and tpm over one ``ledger_db.LedgerDatabase`` (one connection, one lock per
+    process); safe to call from any thread (the router calls it from worker threads:
+    ``asyncio.to_thread``)."""
 
     def __init__(self, url: str, clock: Callable[[], float] = time.time, replica: str | None = None):
         self.url = url
         self.clock = clock
         self.replica = replica or f"{socket.gethostname()}:{os.getpid()}"
-        self._lock = threading.Lock()
-        scheme = urlparse(url).scheme
-        if scheme == "sqlite":
-            self.dialect = "sqlite"
-        elif scheme in ("postgresql", "postgres"):
-            self.dialect = "postgresql"
-        else:
-            raise ValueError(f"{DATABASE_ENV}: unsupported database {redacted_url(url)!r}: use sqlite:///<path> "
-                             f"or postgresql://user:password@host:port/database")
-        self._conn = None
-        with self._lock:
-            self._connect()
-            self._create()
+        self.db = LedgerDatabase(url)
 
     def __repr__(self) -> str:
         return f"SpendLedger({redacted_url(self.url)!r})"
 
-    # ----------------------------------------------------------------------------- connection
-    def _connect(self) -> None:
-        if self.dialect == "sqlite":
-            # sqlite:///relative/path or sqlite:////absolute/path (SQLAlchemy's form)
-            path = unquote(self.url[len("sqlite:///"):]) if self.url.startswith("sqlite:///") else ""
-            if not path:
-                raise ValueError(f"{DATABASE_ENV}: {self.url!r} names no file: sqlite:///<path>")
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            conn = sqlite3.connect(path, timeout=30.0, isolation_level=None, check_same_thread=False)
-            conn.execute("PRAGMA journal_mode=WAL")
-            conn.execute("PRAGMA synchronous=FULL")
-            conn.execute("PRAGMA busy_timeout=30000")
-            self._conn = conn
-        else:
-            import psycopg
-
-            self._conn = psycopg.connect(self.url, autocommit=True, connect_timeout=10)
-
-    def _sql(self, text: str) -> str:
-        return text if self.dialect == "sqlite" else text.replace("?", "%s")
-
-    def _execute(self, text: str, parameters: Sequence = ()):
-        return self._conn.execute(self._sql(text), tuple(parameters))
-
-    def _create(self) -> None:
-        serial = "INTEGER PRIMARY KEY AUTOINCREMENT" if self.dialect == "sqlite" else "BIGSERIAL PRIMARY KEY"
-        statements = [s.strip() for s in SCHEMA.format(serial=serial).split(";") if s.strip()]
-        if self.dialect == "sqlite":
-            self._conn.executescript(";\n".join(statements) + ";")
-        else:
-            with self._conn.transaction():
-                # concurrent first starts of several replicas: one creates, the others wait
-                self._conn.execute("SELECT pg_advisory_xact_lock(7482931)")
-                for statement in statements:
-                    self._conn.execute(statement)
-
-    def _transaction(self, body: Callable[[], Any]) -> Any:
-        """``body`` inside one write transaction (SQLite: the database's write lock from the start)."""
-        with self._lock:
-            for attempt in (0, 1):
-                try:
-                    if self.dialect == "sqlite":
-                        self._conn.execute("BEGIN IMMEDIATE")
-                        try:
-                            result = body()
-                        except BaseException:
-                            self._conn.execute("ROLLBACK")
-                            raise
-                        self._conn.execute("COMMIT")
-                        return result
-                    with self._conn.transaction():
-                        return body()
-                except Exception as error:
-                    if attempt == 0 and self._lost(error):
-                        self._reconnect()
-                        continue
-                    raise
-        raise AssertionError("unreachable")
-
-    def _lost(self, error: Exception) -> bool:
-        if self.dialect != "postgresql":
-            return False
-        import psycopg
-
-        return isinstance(error, psycopg.OperationalError) and (self._conn.closed or self._conn.broken)
-
-    def _reconnect(self) -> None:
-        try:
-            self._conn.close()
-        except Exception:
-            pass
-        self._connect()
-
-    def _read(self, text: str, parameters: Sequence = ()) -> list[tuple]:
-        return self._transaction(lambda: list(self._execute(text, parameters).fetchall()))
-
     def close(self) -> None:
-        with self._lock:
-            if self._conn is not None:
-                self._conn.close()
-                self._conn = None
+        self.db.close()
 
     # ----------------------------------------------------------------------------- admission
     def admit(self, key: KeyLimits, *, request_id: str, task: str, model: str, reserved_nusd: int,
@@ -307,28 +161,19 @@ class SpendLedger:
         def body() -> int:
             now = self.clock()
             if key.limited:
-                self._lock_key(key, now)
+                self.db.lock_key(key.key_id, key.name, now)
             self._reap(now, key.key_id)  # this key's reservations past their deadline: abandoned
             if key.limited:
                 self._check(key, now, counts_request, check_rates)
             return self._insert(key, request_id, task, model, reserved_nusd, reserved_tokens, now,
                                 now + expires_in_s, counts_request)
 
-        return self._transaction(body)
-
-    def _lock_key(self, key: KeyLimits, now: float) -> None:
-        if self.dialect == "sqlite":
-            self._execute("INSERT OR IGNORE INTO spend_keys (key_id, key_name, created_at) VALUES (?, ?, ?)",
-                          (key.key_id, key.name, now))
-            return
-        self._execute("INSERT INTO spend_keys (key_id, key_name, created_at) VALUES (?, ?, ?) "
-                      "ON CONFLICT (key_id) DO NOTHING", (key.key_id, key.name, now))
-        self._execute("SELECT key_id FROM spend_keys WHERE key_id = ? FOR UPDATE", (key.key_id,)).fetchall()
+        return self.db.transaction(body)
 
     def _check(self, key: KeyLimits, now: float, counts_request: bool, check_rates: bool) -> None:
         if key.max_budget_usd is not None:
             start, end = window_bounds(now, key.budget_period_s)
-            (committed,) = self._execute(f"SELECT COALESCE(SUM({CHARGED}), 0) FROM spend_log "
+            (committed,) = self.db.execute(f"SELECT COALESCE(SUM({CHARGED}), 0) FROM spend_log "
                                          f"WHERE key_id = ? AND started_at >= ?", (key.key_id, start)).fetchone()
             if int(committed) >= nano_usd(key.max_budget_usd):
                 raise LimitExceeded(key.name, "budget", key.max_budget_usd, usd(int(committed)).normalize(),
@@ -337,13 +182,13 @@ class SpendLedger:
             return
         since = now - RATE_WINDOW_S
         if key.rpm is not None and counts_request:
-            rows = self._execute("SELECT started_at FROM spend_log WHERE key_id = ? AND counts_request = 1 "
+            rows = self.db.execute("SELECT started_at FROM spend_log WHERE key_id = ? AND counts_request = 1 "
                                  "AND started_at > ? ORDER BY started_at", (key.key_id, since)).fetchall()
             if len(rows) >= key.rpm:
                 reopens = rows[len(rows) - key.rpm][0] + RATE_WINDOW_S
                 raise LimitExceeded(key.name, "rpm", key.rpm, len(rows), max(reopens - now, 1.0))
         if key.tpm is not None:
-            rows = self._execute(f"SELECT started_at, {TOKENS} FROM spend_log WHERE key_id = ? AND started_at > ? "
+            rows = self.db.execute(f"SELECT started_at, {TOKENS} FROM spend_log WHERE key_id = ? AND started_at > ? "
                                  f"ORDER BY started_at", (key.key_id, since)).fetchall()
             used = sum(int(tokens) for _, tokens in rows)
             if used >= key.tpm:
@@ -362,9 +207,7 @@ class SpendLedger:
         values = (request_id, key.key_id, key.name, task, model, "reserved", int(counts_request), now, expires_at,
                   int(reserved_nusd), int(reserved_tokens), self.replica)
         sql = f"INSERT INTO spend_log ({columns}) VALUES ({', '.join('?' * len(values))})"
-        if self.dialect == "sqlite":
-            return int(self._execute(sql, values).lastrowid)
-        return int(self._execute(sql + " RETURNING id", values).fetchone()[0])
+        return self.db.insert(sql, values)
 
     # ----------------------------------------------------------------------------- settlement
     def settle(self, row_id: int, *, status: str, input_tokens: int | None = None, output_tokens: int | None = None,
@@ -376,7 +219,7 @@ class SpendLedger:
             raise ValueError(f"settle: status must be success or failed, not {status!r}")
 
         def body() -> bool:
-            cursor = self._execute(
+            cursor = self.db.execute(
                 "UPDATE spend_log SET status = ?, input_tokens = ?, output_tokens = ?, cost_nusd = ?, latency_s = ?, "
                 "outcome = ?, fallback_from = ?, fallback_reason = ?, settled_at = ? "
                 "WHERE id = ? AND status IN ('reserved', 'abandoned')",
@@ -384,7 +227,7 @@ class SpendLedger:
                  fallback_reason, self.clock(), int(row_id)))
             return cursor.rowcount == 1
 
-        return self._transaction(body)
+        return self.db.transaction(body)
 
     def _reap(self, now: float, key_id: str | None = None) -> int:
         sql = ("UPDATE spend_log SET status = 'abandoned', cost_nusd = reserved_nusd, settled_at = ?, "
@@ -393,17 +236,17 @@ class SpendLedger:
         if key_id is not None:
             sql += " AND key_id = ?"
             parameters.append(key_id)
-        return self._execute(sql, parameters).rowcount
+        return self.db.execute(sql, parameters).rowcount
 
     def reap(self) -> int:
         """Abandon every reservation past its ``expires_at`` (charged at its reserved cost)."""
-        return self._transaction(lambda: self._reap(self.clock()))
+        return self.db.transaction(lambda: self._reap(self.clock()))
 
     # ----------------------------------------------------------------------------- reading
     def key_spend(self, key: KeyLimits) -> KeySpend:
         now = self.clock()
         start, end = window_bounds(now, key.budget_period_s)
-        ((spent, reserved),) = self._read(
+        ((spent, reserved),) = self.db.read(
             "SELECT COALESCE(SUM(CASE WHEN status = 'reserved' THEN 0 ELSE COALESCE(cost_nusd, 0) END), 0), "
             "COALESCE(SUM(CASE WHEN status = 'reserved' THEN reserved_nusd ELSE 0 END), 0) "
             "FROM spend_log WHERE key_id = ? AND started_at >= ?", (key.key_id, start))
@@ -411,7 +254,7 @@ class SpendLedger:
 
     def rows(self, where: str = "", parameters: Sequence = ()) -> list[dict]:
         """Ledger rows as dicts (tests, the report command)."""
-        cursor_rows = self._read(f"SELECT id, request_id, key_id, key_name, task, model, status, counts_request, "
+        cursor_rows = self.db.read(f"SELECT id, request_id, key_id, key_name, task, model, status, counts_request, "
                                  f"started_at, expires_at, settled_at, reserved_nusd, reserved_tokens, input_tokens, "
                                  f"output_tokens, cost_nusd, latency_s, outcome, fallback_from, fallback_reason, "
                                  f"replica FROM spend_log {where} ORDER BY id", parameters)
@@ -424,8 +267,7 @@ class SpendLedger:
                 until: float | None = None) -> list[dict]:
         """Spend grouped by any of key, model, task, day (UTC) and status."""
         columns = {"key": "key_name", "model": "model", "task": "task", "status": "status",
-                   "day": "CAST(started_at / 86400 AS INTEGER)" if self.dialect == "sqlite"
-                   else "CAST(FLOOR(started_at / 86400) AS BIGINT)"}
+                   "day": self.db.day}
         groups = list(group_by)
         unknown = [g for g in groups if g not in columns]
         if unknown:
@@ -446,7 +288,7 @@ class SpendLedger:
                + (f" GROUP BY {', '.join(f'g{i}' for i in range(len(groups)))}"
                   f" ORDER BY {', '.join(f'g{i}' for i in range(len(groups)))}" if groups else ""))
         result = []
-        for row in self._read(sql, parameters):
+        for row in self.db.read(sql, parameters):
             entry: dict[str, Any] = {}
             for i, group in enumerate(groups):
                 value = row[i]

@@ -9,7 +9,7 @@ import time
 import uuid
 
 from triton_pipelines.errors import InputError, RouteError
-from triton_pipelines.gateway.service import GatewayRefusal
+from triton_pipelines.gateway.refusal import GatewayRefusal
 from triton_pipelines.openai_api import protocol as proto
 from triton_pipelines.openai_api.metrics import Metrics
 from triton_pipelines.openai_api.replies import json_body, reply

@@ -26,7 +26,7 @@ class Metrics:
         self.disconnects: Counter = Counter()
         self.buckets: dict[tuple[str, str], list[int]] = {}
         self.sums: Counter = Counter()
-        # GatewayService's spend recorder (gateway_service.SpendRecorder): /v1 chat's share
+        # GatewayService's spend recorder (gateway.recorder.SpendRecorder): /v1 chat's share
         self.spent: Counter = Counter()
         self.fallbacks: Counter = Counter()
         self.cooldowns: Counter = Counter()

@@ -26,7 +26,8 @@ from typing import Any, Sequence
 
 from triton_pipelines.gateway.keys import KEYS_FILE_ENV, KeyRing
 from triton_pipelines.server.state import STATE_ENV, resolve_state_dir
-from triton_pipelines.gateway.ledger import KeyLimits, SpendLedger, database_url, redacted_url, usd
+from triton_pipelines.gateway.ledger import KeyLimits, SpendLedger, usd
+from triton_pipelines.gateway.ledger_db import database_url, redacted_url
 
 GROUPS = ("key", "model", "task", "day", "status")
 

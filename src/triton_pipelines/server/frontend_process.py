@@ -21,7 +21,7 @@ from typing import Callable
 from triton_pipelines.limits import LOOPBACK
 from triton_pipelines.gateway.keys import keys_from_environment
 from triton_pipelines.server.processes import free_ports, spawn
-from triton_pipelines.gateway.ledger import DATABASE_ENV
+from triton_pipelines.gateway.ledger_db import DATABASE_ENV
 
 
 

@@ -56,7 +56,7 @@ from triton_pipelines.server.processes import free_ports
 from triton_pipelines.front.nginx_config import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_JSON_BYTES, ProxyConfig, ProxyProcess,
                     default_worker_user)
 from triton_pipelines.server.replicas import Replica, ReplicaSet, TritonProcesses
-from triton_pipelines.gateway.ledger import database_url
+from triton_pipelines.gateway.ledger_db import database_url
 from triton_pipelines.server.state import KEY_FILE, STATE_ENV, STATE_FILE, ServerState, private_dir, resolve_state_dir, write_private
 from triton_pipelines.server.status import LauncherMetrics, StatusServer
 from triton_pipelines.server.stub_watchdog import StubWatchdog

@@ -52,7 +52,7 @@ from typing import Any, Callable, Protocol
 from triton_pipelines.server.control import ControlClient
 from triton_pipelines.server.drain import drain
 from triton_pipelines.server.processes import free_ports, remove_leftovers, spawn
-from triton_pipelines.gateway.ledger import DATABASE_ENV
+from triton_pipelines.gateway.ledger_db import DATABASE_ENV
 from triton_pipelines.server.status import LauncherMetrics
 from triton_pipelines.server.stub_watchdog import StubWatchdog
 from triton_pipelines.server.tritonserver import LOOPBACK, InternalPorts, ServerOptions, ready_timeout_s, server_command, server_environment

@@ -86,7 +86,7 @@ class RouterMetrics(MetricSet):
     def circuit(self, model: str, open_: bool) -> None:
         self("circuit", model=model).set(1 if open_ else 0)
 
-    # gateway_service.SpendRecorder
+    # gateway.recorder.SpendRecorder
     def spend(self, key_name: str, model: str, cost_usd: float) -> None:
         self("spend", key_name=key_name, model=model).increment(cost_usd)
 

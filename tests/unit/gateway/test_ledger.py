@@ -9,8 +9,9 @@ from decimal import Decimal
 
 import pytest
 
-from triton_pipelines.gateway.ledger import (KeyLimits, LimitExceeded, SpendLedger, call_cost_nusd, database_url,
-                                           nano_usd, usd, window_bounds)
+from triton_pipelines.gateway.ledger import (KeyLimits, LimitExceeded, SpendLedger, call_cost_nusd, nano_usd, usd,
+                                           window_bounds)
+from triton_pipelines.gateway.ledger_db import database_url
 
 
 class Clock:

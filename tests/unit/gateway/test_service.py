@@ -13,7 +13,8 @@ import pytest
 from triton_pipelines.gateway.keys import KeyRing
 from triton_pipelines.errors import RouteError, parse_refusal
 from triton_pipelines.gateway.upstream import GatewayClient
-from triton_pipelines.gateway.service import GatewayRefusal, GatewayService
+from triton_pipelines.gateway.refusal import GatewayRefusal
+from triton_pipelines.gateway.service import GatewayService
 from triton_pipelines.pipelines.routing import RouteTable
 from triton_pipelines.gateway.ledger import SpendLedger
 

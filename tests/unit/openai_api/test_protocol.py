@@ -258,7 +258,7 @@ def test_streamed_chunks_lose_x_gateway_and_the_usage_chunk_needs_include_usage(
 
 def test_gateway_refusals_and_failures_are_openai_errors():
     from triton_pipelines.errors import InputError
-    from triton_pipelines.gateway.service import GatewayRefusal
+    from triton_pipelines.gateway.refusal import GatewayRefusal
     from triton_pipelines.errors import RouteError
 
     error = proto.gateway_failure(GatewayRefusal(429, "over_budget", "key team-a has spent its budget of $0.005",

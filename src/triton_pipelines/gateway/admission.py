@@ -1,0 +1,76 @@
+"""A request's admission against the spend ledger: its plan (which models, which deadline, how
+many tokens reserved), the reservation of one attempt (``SpendLedger.admit``: budget, rpm, tpm;
+refused → ``GatewayRefusal`` 429) and its settlement. Blocking database calls run in worker
+threads (``asyncio.to_thread``), never on the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from triton_pipelines.errors import RouteError
+from triton_pipelines.gateway.fallback import Attempt, fallback_label
+from triton_pipelines.gateway.ledger import KeyLimits, LimitExceeded, SpendLedger, call_cost_nusd
+from triton_pipelines.gateway.recorder import SpendRecorder
+from triton_pipelines.gateway.refusal import GatewayRefusal
+
+
+@dataclass(frozen=True)
+class Plan:
+    requested: str
+    limits: KeyLimits
+    chain: tuple
+    deadline: float
+    budget_s: float
+    request_id: str
+    prompt_tokens: int
+    max_tokens: int
+
+
+class Admission:
+    """Reservations and settlements of a service's calls (no ledger: every call is admitted)."""
+
+    def __init__(self, prices: dict, ledger: SpendLedger | None, reservation_margin_s: float,
+                 recorder: SpendRecorder, log: Callable[[str], None]):
+        self.prices, self.ledger, self.reservation_margin_s = prices, ledger, reservation_margin_s
+        self.recorder, self.log = recorder, log
+
+    def reserved(self, plan: Plan, model: str) -> int:
+        """The most one attempt of ``plan`` on ``model`` can cost (nano-dollars)."""
+        price = self.prices[model]
+        return call_cost_nusd(price.input_per_million, price.output_per_million, plan.prompt_tokens, plan.max_tokens)
+
+    async def admit(self, plan: Plan, task: str | None, model: str, remaining_s: float, first: bool,
+                    attempts: list[Attempt]) -> int | None:
+        """The reservation row of one attempt; ``first``: the request's first, checked by rpm and tpm
+        too (a fallback attempt: the budget only)."""
+        if self.ledger is None:
+            return None
+        limits = plan.limits
+        try:
+            return await asyncio.to_thread(
+                self.ledger.admit, limits, request_id=plan.request_id, task=task or "", model=model,
+                reserved_nusd=self.reserved(plan, model), reserved_tokens=plan.prompt_tokens + plan.max_tokens,
+                expires_in_s=remaining_s + self.reservation_margin_s,
+                counts_request=first, check_rates=first)
+        except LimitExceeded as exceeded:
+            reason = "over_budget" if exceeded.limit == "budget" else "rate_limited"
+            self.recorder.refusal(limits.name, reason)
+            message = str(exceeded)
+            if attempts:
+                message += f" (while falling back from {attempts[0].model}: {fallback_label(attempts[0])})"
+            raise GatewayRefusal(429, reason, message, exceeded.retry_after_s, limit=exceeded.limit) from None
+        except Exception as error:  # the database is down: fail closed, the budget cannot be checked
+            self.log(f"gateway: spend ledger unavailable ({type(error).__name__}: {error})")
+            raise RouteError("ledger_unavailable", "the spend ledger is unavailable, so the key's budget cannot "
+                                                   "be checked: retry shortly") from None
+
+    async def settle(self, row: int | None, status: str, **figures: Any) -> None:
+        if row is None or self.ledger is None:
+            return
+        try:
+            await asyncio.to_thread(self.ledger.settle, row, status=status, **figures)
+        except Exception as error:  # the reservation stays and is abandoned at its reserved cost
+            self.log(f"gateway: could not settle spend ledger row {row} ({type(error).__name__}: {error}); "
+                     f"its reservation stands")
