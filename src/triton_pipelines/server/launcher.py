@@ -16,7 +16,7 @@ What runs:
 - ``tritonserver`` (``--replicas`` of them) on loopback ports of its own, with the control APIs
   restricted by a key (``control.py``), explicit model control and every model loaded at start
   (``tritonserver.py``), each with its request screen (``screen_server.py``);
-- nginx on the public ports (``proxy.py``): body limits before Triton reads anything, control APIs
+- nginx on the public ports (``front/nginx_config.py``, run by ``nginx_process.py``): body limits before Triton reads anything, control APIs
   refused; it listens on 127.0.0.1 unless ``--listen-address`` / ``$TRITON_LISTEN_ADDRESS`` says
   otherwise;
 - the status server behind the public ``/metrics`` and ``/v2/health`` (``status_server.py``);
@@ -53,8 +53,9 @@ from triton_pipelines.server.control import ControlClient, resolve_key
 from triton_pipelines.repository.contract import BuiltManifest
 from triton_pipelines.server.frontend_process import FrontendProcess
 from triton_pipelines.server.processes import free_ports
-from triton_pipelines.front.nginx_config import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_JSON_BYTES, ProxyConfig, ProxyProcess,
+from triton_pipelines.front.nginx_config import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_JSON_BYTES, ProxyConfig,
                     default_worker_user)
+from triton_pipelines.server.nginx_process import ProxyProcess
 from triton_pipelines.server.replicas import Replica, ReplicaSet, TritonProcesses
 from triton_pipelines.gateway.ledger import database_url
 from triton_pipelines.server.state import KEY_FILE, STATE_ENV, STATE_FILE, ServerState, private_dir, resolve_state_dir, write_private

@@ -35,7 +35,6 @@ PENDING: set[str] = {
 PENDING_UPWARD: set[str] = {
     "triton_pipelines.gateway.service -> triton_pipelines.pipelines.routing",
     "triton_pipelines.gateway.upstream -> triton_pipelines.pipelines.routing",
-    "triton_pipelines.front.nginx_config -> triton_pipelines.server.processes",
 }
 
 

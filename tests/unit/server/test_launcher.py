@@ -59,7 +59,8 @@ def test_json_header_limit_pattern_matches_exactly_the_numbers_up_to_the_limit()
 def test_generated_nginx_config_is_valid_and_listens_where_asked(tmp_path):
     import subprocess
 
-    from triton_pipelines.front.nginx_config import ProxyConfig, nginx_binary, render_config
+    from triton_pipelines.front.nginx_config import ProxyConfig, render_config
+    from triton_pipelines.server.nginx_process import nginx_binary
 
     for address in ("127.0.0.1", "0.0.0.0"):
         config = ProxyConfig(listen_address=address, http_port=18000, grpc_port=18001, metrics_port=18002,
