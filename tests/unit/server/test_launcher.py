@@ -6,17 +6,17 @@ from pathlib import Path
 
 import pytest
 
-from triton_pipelines.server import launcher
+from triton_pipelines.server import launcher, serve_cli
 from triton_pipelines.server.launcher import InternalPorts, ServerOptions, server_command
 
 from tests.conftest import ensure_repository
 
 def test_ports_come_from_flags_then_environment_then_defaults(monkeypatch):
     monkeypatch.setenv("TRITON_HTTP_PORT", "9100")
-    assert launcher._port(None, "TRITON_HTTP_PORT", 8000) == 9100
-    assert launcher._port(9200, "TRITON_HTTP_PORT", 8000) == 9200
+    assert serve_cli._port(None, "TRITON_HTTP_PORT", 8000) == 9100
+    assert serve_cli._port(9200, "TRITON_HTTP_PORT", 8000) == 9200
     monkeypatch.delenv("TRITON_HTTP_PORT")
-    assert launcher._port(None, "TRITON_HTTP_PORT", 8000) == 8000
+    assert serve_cli._port(None, "TRITON_HTTP_PORT", 8000) == 8000
 
 
 def test_server_command_loads_every_model_in_explicit_mode_on_loopback_with_restricted_control():
