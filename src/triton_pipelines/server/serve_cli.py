@@ -11,7 +11,7 @@ import argparse
 import os
 from pathlib import Path
 
-from triton_pipelines.front.nginx_config import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_JSON_BYTES
+from triton_pipelines.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_JSON_BYTES
 from triton_pipelines.repository.backends import models_to_load
 from triton_pipelines.server.state import STATE_ENV, resolve_state_dir
 from triton_pipelines.server.tritonserver import (DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, DEFAULT_METRICS_PORT, LOOPBACK,
