@@ -79,7 +79,8 @@ def proxy_in_front_of(handler, state_dir: Path, **config):
     """nginx (``ProxyProcess``) on free ports in front of a ``ThreadingHTTPServer`` running
     ``handler`` for every upstream (Triton HTTP, gRPC and status): (proxy, upstream, HTTP port)."""
     from triton_pipelines.server.launcher import free_ports
-    from triton_pipelines.front.nginx_config import ProxyConfig, ProxyProcess
+    from triton_pipelines.front.nginx_config import ProxyConfig
+    from triton_pipelines.server.nginx_process import ProxyProcess
 
     upstream = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=upstream.serve_forever, daemon=True).start()

@@ -27,28 +27,21 @@ and enforces, before anything is copied into Triton:
 
 The configuration is the template ``templates/nginx.conf`` (``%%name`` fields, see ``NginxTemplate``)
 rendered by ``render_config`` from a ``ProxyConfig``, with every answer's text in ``MESSAGES``;
-``tests/unit/front/test_nginx_config.py`` pins the rendered text and ``ProxyProcess.validate`` runs ``nginx -t``
-on it before nginx starts or reloads. nginx runs in the foreground as a child of the launcher, which
-restarts it if it dies.
+``tests/unit/front/test_nginx_config.py`` pins the rendered text. Running nginx on it (``nginx -t``
+before it starts or reloads, the foreground child the launcher restarts if it dies) is
+``server/nginx_process.py``'s job.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
-import shutil
-import signal
 import string
-import subprocess
-import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from triton_pipelines.errors import openai_error_body
 from triton_pipelines.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_JSON_BYTES, REQUEST_TIMEOUT_S
-from triton_pipelines.server.processes import child_pids, spawn
 
 
 # Public HTTP endpoints (KServe v2 + Triton's statistics/config extensions). Anything else is 404,
@@ -70,15 +63,6 @@ GRPC_UNIMPLEMENTED = 12
 GRPC_UNAVAILABLE = 14
 # nginx's buffers for the request line and each header: longer ones are refused with 400.
 HEADER_BUFFER_KB = 8
-
-
-def nginx_binary() -> str:
-    found = shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx")
-                                           if os.access(p, os.X_OK)), None)
-    if found is None:
-        raise RuntimeError("nginx is not installed: `make install` installs it (Debian package nginx-core); "
-                           "the container image has it")
-    return found
 
 
 def regex_at_most(limit: int) -> str:
@@ -262,101 +246,3 @@ def render_config(config: ProxyConfig, temp_dir: Path | None = None) -> str:
         "grpc_unavailable": GRPC_UNAVAILABLE,
     }
     return NginxTemplate(TEMPLATE.read_text()).substitute(values)
-
-
-TEMP_FOLDERS = ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
-
-
-def worker_temp_dir(state: Path, run_as: str | None) -> Path:
-    """Where nginx's workers write request bodies larger than their buffer. Started as root, the
-    workers run as ``run_as`` and must reach the folder: the state folder may sit under a private
-    one (/root, a 0700 temp folder), so they get a folder of their own under the system's temp
-    folder (world-traversable), owned by them."""
-    if not run_as:
-        for name in TEMP_FOLDERS:
-            (state / name).mkdir(exist_ok=True)
-        return state
-    import pwd
-
-    user = pwd.getpwnam(run_as.split()[0])
-    temp = Path(tempfile.mkdtemp(prefix="triton-proxy-"))
-    os.chmod(temp, 0o711)  # traverse, not list
-    for name in TEMP_FOLDERS:
-        (temp / name).mkdir(mode=0o700)
-        os.chown(temp / name, user.pw_uid, user.pw_gid)
-    return temp
-
-
-class ProxyProcess:
-    """nginx in the foreground with a generated configuration under ``config.state_dir``."""
-
-    def __init__(self, config: ProxyConfig, stdout=None, stderr=None):
-        self.config = config
-        state = config.state_dir
-        state.mkdir(parents=True, exist_ok=True)
-        self.temp_dir = worker_temp_dir(state, config.run_as)
-        self.config_path = state / "nginx.conf"
-        self.config_path.write_text(render_config(config, self.temp_dir))
-        self.binary = nginx_binary()
-        self.validate(self.config_path, state)
-        self.stdout, self.stderr = stdout, stderr
-        self.process = self._start()
-
-    def validate(self, path: Path, prefix: Path) -> None:
-        """``nginx -t`` on the configuration at ``path`` (``prefix``: the state folder); raises if invalid."""
-        check = subprocess.run([self.binary, *self._error_log(), "-t", "-q", "-p", str(prefix), "-c", str(path)],
-                               capture_output=True, text=True)
-        if check.returncode != 0:
-            raise RuntimeError(f"the generated nginx configuration is invalid: {check.stderr.strip()}")
-
-    def _error_log(self) -> list[str]:
-        """``-e stderr`` (nginx >= 1.19.5): a non-root nginx would first try /var/log/nginx/error.log."""
-        version = subprocess.run([self.binary, "-v"], capture_output=True, text=True).stderr
-        found = re.search(r"nginx/(\d+)\.(\d+)\.(\d+)", version)
-        return ["-e", "stderr"] if found and tuple(map(int, found.groups())) >= (1, 19, 5) else []
-
-    def _start(self) -> subprocess.Popen:
-        return spawn([self.binary, *self._error_log(), "-p", str(self.config.state_dir), "-c", str(self.config_path)],
-                     stdout=self.stdout, stderr=self.stderr, start_new_session=True)
-
-    def restart(self) -> None:
-        self._stop_process()
-        self.process = self._start()
-
-    def reconfigure(self, config: ProxyConfig, timeout_s: float = 60, wait: bool = True) -> None:
-        """New upstreams (replicas in service) without dropping a request: nginx's graceful reload
-        starts workers on the new configuration while the old ones finish what they are serving.
-        Returns when the old workers are gone (no request is on its way to a removed upstream), or at
-        once with ``wait=False`` (the supervisor's reconcile pass, which never waits)."""
-        text = render_config(config, self.temp_dir)
-        if text == self.config_path.read_text():
-            return
-        old_workers = set(child_pids(self.process.pid))
-        candidate = self.config_path.with_suffix(".next")
-        candidate.write_text(text)
-        self.validate(candidate, config.state_dir)
-        os.replace(candidate, self.config_path)
-        self.config = config
-        self.process.send_signal(signal.SIGHUP)
-        if not wait:
-            return
-        deadline = time.monotonic() + timeout_s
-        while old_workers & set(child_pids(self.process.pid)) and time.monotonic() < deadline:
-            time.sleep(0.05)
-
-    def alive(self) -> bool:
-        return self.process.poll() is None
-
-    def stop(self, timeout_s: float = 10) -> None:
-        self._stop_process(timeout_s)
-        if self.temp_dir != self.config.state_dir:
-            shutil.rmtree(self.temp_dir, ignore_errors=True)
-
-    def _stop_process(self, timeout_s: float = 10) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGQUIT)  # graceful: finish requests in flight
-            try:
-                self.process.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()

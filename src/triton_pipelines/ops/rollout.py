@@ -51,10 +51,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
-import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Mapping
@@ -63,8 +60,9 @@ from triton_pipelines.server.control import STATE_ENV, ControlClient, ControlErr
 from triton_pipelines.server.state import ServerState
 from triton_pipelines.ops.rollout_plan import (Action, Family, Gate, Hold, LoadEnsembles, LoadVersions, Metrics, Pin, Retire,
                            RolloutError, Settle, StepReport, WaitDrained, WaitUnloaded, Warm, WriteSplit,
-                           check_steps, judge, measure, plan_move, route_table, served)
-from triton_pipelines.server.warmup import warm_server
+                           check_steps, judge, plan_move, route_table)
+from triton_pipelines.ops.rollout_replace import VersionSwap, write_split
+from triton_pipelines.ops.rollout_watch import RolloutWatch
 
 __all__ = ["Breach", "Family", "Gate", "Metrics", "Rollout", "RolloutError", "StepReport", "judge", "main"]
 EXIT_BREACH = 3
@@ -169,107 +167,26 @@ class Rollout:
                 "plain_ensembles": self.pinned_versions(), "router_split": self.split(),
                 "split_file": str(self.split_file), "router_tasks": list(self.family.canary_tasks), "states": states}
 
-    # ------------------------------------------------------------------ actions
+    # ------------------------------------------------------------------ collaborators
+    @property
+    def watch(self) -> RolloutWatch:
+        """Holds, drains and unloads watched through the metrics and the model states (``rollout_watch.py``)."""
+        return RolloutWatch(self.control, self.metrics_url, self.family, self.log, self.poll_s, self.quiet_s,
+                            self.drain_timeout_s, self.unload_timeout_s)
+
+    @property
+    def swap(self) -> VersionSwap:
+        """Versions, ensembles, pins and files changed on the server (``rollout_replace.py``)."""
+        return VersionSwap(self.control, self.repository, self.model, self.family, self.log, self.members)
+
     def write_split(self, shares: Mapping[int, float]) -> None:
-        """Atomically: the router stats the file on every canary request and must never read half of it."""
-        try:
-            document = json.loads(self.split_file.read_text())
-            if not isinstance(document, dict):
-                document = {}
-        except (FileNotFoundError, ValueError):
-            document = {}
-        document[self.model] = {str(v): round(s, 6) for v, s in sorted(shares.items()) if s > 0}
-        self.split_file.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".splits-", dir=self.split_file.parent)
-        with os.fdopen(fd, "w") as handle:
-            json.dump(document, handle)
-        os.replace(tmp, self.split_file)
+        write_split(self.split_file, self.model, shares)
 
-    def set_versions(self, versions: set[int]) -> None:
-        """Load every member with exactly these versions (the server's own config otherwise)."""
-        def load(member: str) -> None:
-            config = self.control.config(member)
-            config["version_policy"] = {"specific": {"versions": sorted(versions)}}
-            self.control.load(member, config=config)
+    def replace_files(self, version: int, files: Path) -> None:
+        """New files for a serving version, reloaded without a failed request (``VersionSwap.replace_files``)."""
+        self.swap.replace_files(version, files, self.loaded_versions, self.pinned_versions)
 
-        self._each_member(load)
-
-    def _each_member(self, action: Callable[[str], None]) -> None:
-        """``action`` on every served member at once (Triton loads them in parallel, up to
-        ``--model-load-thread-count``); the first error is raised once all are done."""
-        from concurrent.futures import ThreadPoolExecutor
-
-        members = self.members()
-        with ThreadPoolExecutor(len(members)) as pool:
-            for future in [pool.submit(action, member) for member in members]:
-                future.result()
-
-    def load_ensembles(self, names: Iterable[str]) -> None:
-        states = self.control.states()
-        for name in names:
-            if states.get(name) != "READY":
-                self.control.load(name)
-
-    def pin(self, version: int) -> None:
-        """Re-pin the plain ensembles: Triton loads each changed ensemble in the background and
-        swaps it in; requests in flight finish on the old one (with their handles on the old version)."""
-        for ensemble, member in sorted(self.family.pinning_ensembles.items()):
-            config = self.control.config(ensemble)
-            steps = config.get("ensemble_scheduling", {}).get("step", [])
-            if all(int(s.get("model_version", -1)) == version for s in steps if s["model_name"] == member):
-                continue
-            for step in steps:
-                if step["model_name"] == member:
-                    step["model_version"] = version
-            self.control.load(ensemble, config=config)
-            self.log(f"{ensemble} now serves {member} version {version}")
-
-    def warm(self, version: int) -> None:
-        for warmed in warm_server(self.control, self.family.ensembles_serving(version)):
-            self.log(f"warmed {warmed.model} end to end ({warmed.seconds * 1e3:.0f} ms)")
-
-    def wait_drained(self, versions: set[int]) -> None:
-        """Until the versions got no request for ``quiet_s`` and nothing is pending on them."""
-        deadline = time.monotonic() + self.drain_timeout_s
-        last, quiet_since = None, time.monotonic()
-        while True:
-            metrics = Metrics.scrape(self.metrics_url)
-            served_now = served(metrics, self.family, versions)
-            pending = metrics.total("nv_inference_pending_request_count", model=self.family.members,
-                                    version=[str(v) for v in versions])
-            if served_now != last or pending:
-                last, quiet_since = served_now, time.monotonic()
-            elif time.monotonic() - quiet_since >= self.quiet_s:
-                return
-            if time.monotonic() > deadline:
-                self.log(f"version(s) {sorted(versions)} still get requests after {self.drain_timeout_s:g} s "
-                         f"(callers naming the version?); retiring anyway: requests in flight still finish")
-                return
-            time.sleep(min(self.poll_s, self.quiet_s / 2))
-
-    def wait_unloaded(self, versions: set[int]) -> None:
-        deadline = time.monotonic() + self.unload_timeout_s
-        while time.monotonic() < deadline:
-            busy = [(e["name"], e.get("version")) for e in self.control.index()
-                    if e.get("name") in self.family.members and e.get("version")
-                    and int(e["version"]) in versions and e.get("state") in ("READY", "UNLOADING")]
-            if not busy:
-                return
-            time.sleep(0.2)
-        self.log(f"version(s) {sorted(versions)} are still unloading after {self.unload_timeout_s:g} s")
-
-    def hold(self, share: float, target: int, sources: set[int], hold_s: float, gate: Gate) -> StepReport:
-        """Watch a step for ``hold_s``; ends early on a breach."""
-        report = StepReport(share)
-        start = Metrics.scrape(self.metrics_url)
-        ends = time.monotonic() + hold_s
-        while True:
-            time.sleep(max(0.0, min(self.poll_s, ends - time.monotonic())))
-            report = measure(start, Metrics.scrape(self.metrics_url), self.family, share, target, sources)
-            report.breach = judge(gate, report)
-            if report.breach or time.monotonic() >= ends:
-                return report
-
+    # ------------------------------------------------------------------ actions
     def _check_target(self, version: int) -> None:
         for member in self.family.members:
             folder = self.repository / member / str(version)
@@ -313,29 +230,29 @@ class Rollout:
         if isinstance(action, LoadVersions):
             self.log(f"loading {self.model} version {action.added} beside {sorted(action.versions - {action.added})} "
                      f"({', '.join(self.family.members)}; warmed by config before READY)")
-            self.set_versions(set(action.versions))
+            self.swap.set_versions(set(action.versions))
         elif isinstance(action, LoadEnsembles):
-            self.load_ensembles(self.family.versioned_ensembles.get(action.version, ()))
+            self.swap.load_ensembles(self.family.versioned_ensembles.get(action.version, ()))
         elif isinstance(action, Pin):
-            self.pin(action.version)
+            self.swap.pin(action.version)
         elif isinstance(action, Warm):
-            self.warm(action.version)
+            self.swap.warm(action.version)
         elif isinstance(action, WriteSplit):
             shares = action.as_dict()
             self.write_split(shares)
             self.log(f"router split {({v: round(s, 2) for v, s in shares.items() if s > 0})}")
         elif isinstance(action, Hold):
-            return self.hold(action.share, action.target, set(action.sources), action.hold_s, gate)
+            return self.watch.hold(action.share, action.target, set(action.sources), action.hold_s, gate)
         elif isinstance(action, WaitDrained):
             self.log(f"waiting until version(s) {sorted(action.versions)} get no more requests")
-            self.wait_drained(set(action.versions))
+            self.watch.wait_drained(set(action.versions))
         elif isinstance(action, Retire):
             remaining_versions = (self.loaded_versions() | {action.keep}) - action.versions
             self.log(f"retiring version(s) {sorted(action.versions)}: {self.model} now loads "
                      f"{sorted(remaining_versions)}")
-            self.set_versions(remaining_versions)
+            self.swap.set_versions(remaining_versions)
         elif isinstance(action, WaitUnloaded):
-            self.wait_unloaded(set(action.versions))
+            self.watch.wait_unloaded(set(action.versions))
         elif isinstance(action, Settle):
             self.write_split({action.version: 100.0})
             self.log(f"{self.model} version {action.version} serves all traffic")
@@ -351,63 +268,6 @@ class Rollout:
         self.log(f"breach at {report.share:g}%: {report.breach}; rolling back to version {back}")
         self.move(back, steps=(100,), hold_s=0)
         raise Breach(f"rolled back to version {back} at {report.share:g}%: {report.breach}", reports, rolled_back=True)
-
-    # ------------------------------------------------------------------ same version, new files
-    def replace_files(self, version: int, files: Path) -> None:
-        """Put new files in a serving version's folder and reload it without a failed request.
-
-        Files are copied into a staging folder inside the version folder and renamed into place
-        (a load never sees half a file); the latency variants' folders hold symlinks to them, so
-        their version folder is touched (Triton decides what to reload by modification times,
-        and a symlink to a new file is not a modification). Then each member is loaded with its
-        own config named explicitly: Triton loads the changed version in the background and
-        swaps it in; the other versions and the ensembles keep serving (they are reloaded in the
-        background too). The version's pipelines are warmed end to end afterwards."""
-        version_dir = self.repository / self.model / str(version)
-        new_files = sorted(p for p in Path(files).iterdir() if p.is_file())
-        if not version_dir.is_dir():
-            raise RolloutError(f"{version_dir} does not exist: `replace` changes a serving version's files")
-        if not new_files:
-            raise RolloutError(f"{files} holds no files")
-        if version not in self.loaded_versions():
-            raise RolloutError(f"{self.model} version {version} is not loaded: put its files in place and use `start`")
-        self._check_onnx(new_files)
-        staging = Path(tempfile.mkdtemp(prefix=".incoming-", dir=version_dir))
-        try:
-            for path in new_files:
-                shutil.copyfile(path, staging / path.name)  # modified now: Triton sees the change
-                with open(staging / path.name, "rb") as handle:
-                    os.fsync(handle.fileno())
-            for path in new_files:
-                os.replace(staging / path.name, version_dir / path.name)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-        for member in self.family.members[1:]:
-            os.utime(self.repository / member / str(version))
-        self.log(f"{', '.join(p.name for p in new_files)} in place in {version_dir}; reloading version {version}")
-        started = time.monotonic()
-        self._each_member(lambda member: self.control.load(member, config=self.control.config(member)))
-        self.log(f"{', '.join(self.members())} version {version} reloaded in {time.monotonic() - started:.1f} s")
-        pinned = {e for e, v in self.pinned_versions().items() if v == version}
-        self.load_ensembles(self.family.versioned_ensembles.get(version, ()))
-        warm_server(self.control, sorted(pinned | set(self.family.versioned_ensembles.get(version, ()))))
-
-    def _check_onnx(self, files: list[Path]) -> None:
-        """A new ``model.onnx`` must take and give the tensors the served config names."""
-        onnx_files = [p for p in files if p.name == "model.onnx"]
-        if not onnx_files:
-            return
-        import onnx
-
-        graph = onnx.load(str(onnx_files[0]), load_external_data=False).graph
-        config = self.control.config(self.model)
-        initializers = {i.name for i in graph.initializer}
-        have = ({i.name for i in graph.input} - initializers, {o.name for o in graph.output})
-        want = ({i["name"] for i in config.get("input", [])}, {o["name"] for o in config.get("output", [])})
-        if not want[0] <= have[0] or not want[1] <= have[1]:
-            raise RolloutError(f"{onnx_files[0]} has inputs {sorted(have[0])} and outputs {sorted(have[1])}; "
-                               f"{self.model} serves {sorted(want[0])} → {sorted(want[1])}")
-
 
 # ----------------------------------------------------------------------------------- CLI
 def connect(state_dir: Path | None) -> tuple[ControlClient, str]:

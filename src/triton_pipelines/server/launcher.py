@@ -16,7 +16,7 @@ What runs:
 - ``tritonserver`` (``--replicas`` of them) on loopback ports of its own, with the control APIs
   restricted by a key (``control.py``), explicit model control and every model loaded at start
   (``tritonserver.py``), each with its request screen (``screen_server.py``);
-- nginx on the public ports (``proxy.py``): body limits before Triton reads anything, control APIs
+- nginx on the public ports (``front/nginx_config.py``, run by ``nginx_process.py``): body limits before Triton reads anything, control APIs
   refused; it listens on 127.0.0.1 unless ``--listen-address`` / ``$TRITON_LISTEN_ADDRESS`` says
   otherwise;
 - the status server behind the public ``/metrics`` and ``/v2/health`` (``status_server.py``);
@@ -25,8 +25,9 @@ What runs:
   tritonserver itself dies, its orphaned stubs and shared memory are removed and it is started
   again; a dead screen or nginx too; nginx routes to the healthy replicas.
 
-This module is the CLI and the wiring: temporary folders, the key and the state file
-(``server_state.py``), the status server, the replicas, nginx, warm-up, retire and stop.
+This module is the wiring: temporary folders, the key and the state file (``server_state.py``), the
+status server, the replicas, nginx, warm-up (``warmup.py``), retire and stop; the command's flags are
+``serve_cli.py``.
 
 Ctrl-C / SIGTERM drain the server first (models are unloaded top-down, so requests in flight,
 ensembles included, finish: see ``drain.py``), then SIGTERM stops it (``--exit-timeout-secs``).
@@ -34,7 +35,6 @@ ensembles included, finish: see ``drain.py``), then SIGTERM stops it (``--exit-t
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -48,18 +48,19 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from triton_pipelines.repository.backends import models_to_load
 from triton_pipelines.server.control import ControlClient, resolve_key
 from triton_pipelines.repository.contract import BuiltManifest
 from triton_pipelines.server.frontend_process import FrontendProcess
 from triton_pipelines.server.processes import free_ports
-from triton_pipelines.front.nginx_config import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_JSON_BYTES, ProxyConfig, ProxyProcess,
-                    default_worker_user)
+from triton_pipelines.front.nginx_config import ProxyConfig, default_worker_user
+from triton_pipelines.server.nginx_process import ProxyProcess
 from triton_pipelines.server.replicas import Replica, ReplicaSet, TritonProcesses
+from triton_pipelines.server.serve_cli import parse_options
 from triton_pipelines.gateway.ledger_db import database_url
-from triton_pipelines.server.state import KEY_FILE, STATE_ENV, STATE_FILE, ServerState, private_dir, resolve_state_dir, write_private
+from triton_pipelines.server.state import KEY_FILE, STATE_FILE, ServerState, private_dir, write_private
 from triton_pipelines.server.status import LauncherMetrics, StatusServer
 from triton_pipelines.server.stub_watchdog import StubWatchdog
+from triton_pipelines.server.warmup import warm_replica, warm_replicas
 # Re-exported: tests, benchmarks and tools import these from the launcher.
 from triton_pipelines.server.tritonserver import (DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, DEFAULT_METRICS_PORT,  # noqa: F401
                            LOOPBACK, METRICS_CONFIG, PYTHON_BACKEND_CONFIG, READY_TIMEOUT_ENV, READY_TIMEOUT_S,
@@ -156,7 +157,9 @@ class Launcher:
             self.status.close()
             raise
         self.replica_set = ReplicaSet(self.replicas, self.proxy, self._proxy_config, self.metrics, self.log,
-                                      self.stopping, warm=self._warm_replica if options.warm_pipelines else None,
+                                      self.stopping,
+                                      warm=(lambda replica: warm_replica(replica, self.log)) if options.warm_pipelines
+                                      else None,
                                       frontend=self.openai)
         first = self.replicas[0]
         ServerState(
@@ -268,28 +271,9 @@ class Launcher:
         if not self.supervisor.is_alive() and not self.stopping.is_set():
             self.supervisor.start()
 
-    def _warm_replica(self, replica: Replica) -> list:
-        """One request through every loaded ensemble of ``replica`` (model_warmup warms compute
-        models at load; an ensemble and the Python steps behind it have no warm-up by config)."""
-        from triton_pipelines.server.warmup import warm_server
-
-        control = replica.control
-        ensembles = [entry["name"] for entry in control.index(ready_only=True)
-                     if control.config(entry["name"]).get("platform") == "ensemble"]
-        warmed = warm_server(control, sorted(set(ensembles)), on_error=lambda name, error:
-                             self.log(f"warm-up request through {name} failed: {error}"))
-        if replica.restarted:
-            self.log(f"warmed {len(warmed)} pipelines of the restarted tritonserver{replica._which()} "
-                     f"in {sum(w.seconds for w in warmed):.1f} s")
-        return warmed
-
     def warm_pipelines(self) -> list:
-        """One request through every loaded ensemble of every replica in service."""
-        warmed = []
-        for replica in [r for r in self.replicas if not r.retired]:
-            warmed += self._warm_replica(replica)
-        self.log(f"warmed {len(warmed)} pipelines end to end in {sum(w.seconds for w in warmed):.1f} s")
-        return warmed
+        """One request through every loaded ensemble of every replica in service (``warmup.py``)."""
+        return warm_replicas(self.replicas, self.log)
 
     # ------------------------------------------------------------------------- supervision
     @property
@@ -390,16 +374,6 @@ def start_on_free_ports(model_repository: Path, log_path: Path, extra_args: list
     return server
 
 
-def _optional_int(text: str | None) -> int | None:
-    return int(text) if text not in (None, "") else None
-
-
-def _port(flag_value: int | None, env_name: str, default: int) -> int:
-    if flag_value is not None:
-        return flag_value
-    return int(os.environ.get(env_name, default))
-
-
 def shm_shortfall(model_repository: Path, replicas: int = 1, shm: str = "/dev/shm") -> str | None:
     """The warning when /dev/shm is smaller than the stubs may hold: ``layout.shm_shortfall``."""
     from triton_pipelines.repository import contract as layout
@@ -408,81 +382,10 @@ def shm_shortfall(model_repository: Path, replicas: int = 1, shm: str = "/dev/sh
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model-repository", type=Path, default=Path("model_repository"))
-    parser.add_argument("--http-port", type=int, help=f"default $TRITON_HTTP_PORT or {DEFAULT_HTTP_PORT}")
-    parser.add_argument("--grpc-port", type=int, help=f"default $TRITON_GRPC_PORT or {DEFAULT_GRPC_PORT}")
-    parser.add_argument("--metrics-port", type=int, help=f"default $TRITON_METRICS_PORT or {DEFAULT_METRICS_PORT}")
-    parser.add_argument("--listen-address", default=os.environ.get("TRITON_LISTEN_ADDRESS", LOOPBACK),
-                        help="address of the public ports (default $TRITON_LISTEN_ADDRESS or 127.0.0.1; "
-                             "0.0.0.0 for every interface)")
-    parser.add_argument("--state-dir", type=Path,
-                        help=f"control key and internal ports for our tools (default ${STATE_ENV} or .triton/<http port>)")
-    parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
-                        help="largest request accepted on the public ports (HTTP body or gRPC message)")
-    parser.add_argument("--max-json-bytes", type=int, default=DEFAULT_MAX_JSON_BYTES,
-                        help="largest JSON part of an HTTP request (Triton 2.51 crashes on large JSON)")
-    parser.add_argument("--max-inflight", type=int, default=int(os.environ.get("TRITON_MAX_INFLIGHT", DEFAULT_MAX_INFLIGHT)),
-                        help="inference requests in flight on the public ports together; more are refused at once "
-                             f"with 503 / UNAVAILABLE (default $TRITON_MAX_INFLIGHT or {DEFAULT_MAX_INFLIGHT})")
-    parser.add_argument("--max-inflight-per-client", type=int,
-                        default=_optional_int(os.environ.get("TRITON_MAX_INFLIGHT_PER_CLIENT")),
-                        help="one client address's share of --max-inflight; more from it are refused first "
-                             "(default $TRITON_MAX_INFLIGHT_PER_CLIENT or half of --max-inflight; 0: no share). "
-                             "Behind a load balancer or NAT every client has its address: raise it or use 0")
-    parser.add_argument("--expose-internal-models", action="store_true",
-                        help="serve inference for every model on the public ports, not only the pipelines and "
-                             "the router (e.g. to measure one compute model with perf_analyzer)")
-    parser.add_argument("--tritonserver", type=Path, metavar="PATH",
-                        help="run this tritonserver (e.g. the container's) instead of the embedded one")
-    parser.add_argument("--backend-dir", type=Path,
-                        help="the server's backends; default (embedded): a temporary folder laid out from the wheel")
-    parser.add_argument("--exit-timeout-secs", type=int, default=30)
-    parser.add_argument("--log-verbose", type=int, default=0)
-    parser.add_argument("--replicas", type=int, default=int(os.environ.get("TRITON_REPLICAS", 1)),
-                        help="tritonserver processes behind the one public front, round robin "
-                             "(default $TRITON_REPLICAS or 1)")
-    parser.add_argument("--load-model", action="append", dest="models", metavar="NAME",
-                        help="load only these models at start (repeatable); default: every model")
-    parser.add_argument("--no-pipeline-warmup", action="store_true",
-                        help="do not send one request through every ensemble before announcing ready")
-    parser.add_argument("extra_args", nargs="*", help="passed to tritonserver after `--`")
-    args = parser.parse_args(argv)
-    if not (args.model_repository / ".built").exists():
-        parser.error(f"{args.model_repository} is not built: run `make repository` (or `make serve`)")
-    if args.max_json_bytes > DEFAULT_MAX_JSON_BYTES:
-        parser.error(f"--max-json-bytes above {DEFAULT_MAX_JSON_BYTES} lets a deeply nested JSON request "
-                     f"crash tritonserver 2.51")
-    if args.max_inflight < 1:
-        parser.error("--max-inflight must be at least 1")
-    if args.max_inflight_per_client is not None and args.max_inflight_per_client < 0:
-        parser.error("--max-inflight-per-client must be 0 (no share) or more")
-    http_port = _port(args.http_port, "TRITON_HTTP_PORT", DEFAULT_HTTP_PORT)
-    options = ServerOptions(
-        model_repository=args.model_repository,
-        http_port=http_port,
-        grpc_port=_port(args.grpc_port, "TRITON_GRPC_PORT", DEFAULT_GRPC_PORT),
-        metrics_port=_port(args.metrics_port, "TRITON_METRICS_PORT", DEFAULT_METRICS_PORT),
-        listen_address=args.listen_address,
-        state_dir=resolve_state_dir(args.state_dir, http_port),
-        max_body_bytes=args.max_body_bytes,
-        max_json_bytes=args.max_json_bytes,
-        max_inflight=args.max_inflight,
-        max_inflight_per_client=args.max_inflight_per_client,
-        expose_internal_models=args.expose_internal_models,
-        backend_dir=args.backend_dir,
-        tritonserver=args.tritonserver,
-        exit_timeout_secs=args.exit_timeout_secs,
-        log_verbose=args.log_verbose,
-        models=args.models,
-        replicas=args.replicas,
-        warm_pipelines=not args.no_pipeline_warmup,
-        extra_args=args.extra_args,
-    )
-    if options.models is None and options.backend_dir is not None:
-        options.models = models_to_load(options.model_repository, options.backend_dir)  # backends.py
+    """``python -m triton_pipelines serve``: the flags (``serve_cli.py``), then serve until a stop."""
+    options = parse_options(argv)
     server = Launcher(options)
-    shortfall = shm_shortfall(args.model_repository, args.replicas)
+    shortfall = shm_shortfall(options.model_repository, options.replicas)
     if shortfall:
         server.log(shortfall)
     stopping, stopped = threading.Event(), threading.Event()

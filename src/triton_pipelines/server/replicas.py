@@ -409,7 +409,7 @@ class Replica:
 
 
 class Proxy(Protocol):
-    """What the replica set uses of ``proxy.ProxyProcess`` (nginx)."""
+    """What the replica set uses of ``nginx_process.ProxyProcess`` (nginx)."""
     process: Process
 
     def alive(self) -> bool: ...

@@ -5,7 +5,7 @@ zero-filled requests run on each instance before the version is READY), but an e
 instances and cannot be warmed that way, and the Python steps of a pipeline (tokenizer, pre- and
 post-processing, the BLS decode loop) have hand-written configs without warm-up samples. One real
 request through each ensemble runs every step once: the rollout sends it before an ensemble gets
-traffic (``warm_server``), the launcher before it says the server is ready.
+traffic (``warm_server``), the launcher before it says the server is ready (``warm_replicas``).
 
 A sample is chosen by input name (the names our pipelines use): ``text`` a short sentence, ``image``
 a small PNG, ``audio`` one second of silence as WAV. Optional inputs are left out, except
@@ -104,3 +104,27 @@ def warm_server(control, ensembles: Iterable[str],
         return warm_pipelines(client, control, ensembles, on_error)
     finally:
         client.close()
+
+
+def warm_replica(replica, log: Callable[[str], None]) -> list[Warmed]:
+    """One request through every loaded ensemble of ``replica`` (a launcher's ``Replica``;
+    model_warmup warms compute models at load; an ensemble and the Python steps behind it have no
+    warm-up by config); each failure is logged with ``log``."""
+    control = replica.control
+    ensembles = [entry["name"] for entry in control.index(ready_only=True)
+                 if control.config(entry["name"]).get("platform") == "ensemble"]
+    warmed = warm_server(control, sorted(set(ensembles)), on_error=lambda name, error:
+                         log(f"warm-up request through {name} failed: {error}"))
+    if replica.restarted:
+        log(f"warmed {len(warmed)} pipelines of the restarted tritonserver{replica._which()} "
+            f"in {sum(w.seconds for w in warmed):.1f} s")
+    return warmed
+
+
+def warm_replicas(replicas, log: Callable[[str], None]) -> list[Warmed]:
+    """One request through every loaded ensemble of every replica in service (the launcher's warm-up)."""
+    warmed = []
+    for replica in [r for r in replicas if not r.retired]:
+        warmed += warm_replica(replica, log)
+    log(f"warmed {len(warmed)} pipelines end to end in {sum(w.seconds for w in warmed):.1f} s")
+    return warmed

@@ -7,17 +7,17 @@ from pathlib import Path
 
 import pytest
 
-from triton_pipelines.server import launcher
+from triton_pipelines.server import launcher, serve_cli
 from triton_pipelines.server.launcher import InternalPorts, ServerOptions, server_command
 
 from tests.conftest import ensure_repository
 
 def test_ports_come_from_flags_then_environment_then_defaults(monkeypatch):
     monkeypatch.setenv("TRITON_HTTP_PORT", "9100")
-    assert launcher._port(None, "TRITON_HTTP_PORT", 8000) == 9100
-    assert launcher._port(9200, "TRITON_HTTP_PORT", 8000) == 9200
+    assert serve_cli._port(None, "TRITON_HTTP_PORT", 8000) == 9100
+    assert serve_cli._port(9200, "TRITON_HTTP_PORT", 8000) == 9200
     monkeypatch.delenv("TRITON_HTTP_PORT")
-    assert launcher._port(None, "TRITON_HTTP_PORT", 8000) == 8000
+    assert serve_cli._port(None, "TRITON_HTTP_PORT", 8000) == 8000
 
 
 def test_server_command_loads_every_model_in_explicit_mode_on_loopback_with_restricted_control():
@@ -60,7 +60,8 @@ def test_json_header_limit_pattern_matches_exactly_the_numbers_up_to_the_limit()
 def test_generated_nginx_config_is_valid_and_listens_where_asked(tmp_path):
     import subprocess
 
-    from triton_pipelines.front.nginx_config import ProxyConfig, nginx_binary, render_config
+    from triton_pipelines.front.nginx_config import ProxyConfig, render_config
+    from triton_pipelines.server.nginx_process import nginx_binary
 
     for address in ("127.0.0.1", "0.0.0.0"):
         config = ProxyConfig(listen_address=address, http_port=18000, grpc_port=18001, metrics_port=18002,
