@@ -26,8 +26,6 @@ PENDING: set[str] = {
     "module src/triton_pipelines/pipelines/speech.py",
     "class src/triton_pipelines/server/launcher.py:Launcher",
     "function src/triton_pipelines/server/launcher.py:main",
-    "function build/repo_builder/export/whisper.py:_modules",
-    "module build/repo_builder/plan.py",
 }
 
 # Imports up a layer today, being moved (issue 31): the route table's schema to repository/, nginx's
