@@ -55,7 +55,7 @@ test-unit: repository prometheus-tools
 # podman, runc and debootstrap from Debian, local stand-ins for the base images, the three targets,
 # the cpu profile end to end through Docker Compose v2 on free ports, the gpu profile as far as a
 # machine without a GPU allows. One line per step; non-zero on any failure. Root, as on our machines.
-# Logic: tools/rehearse/__main__.py (README, "Two ways to run").
+# Logic: tools/rehearse/__main__.py (docs/deployment.md).
 rehearse: install
 	$(PY) -m tools.rehearse
 

@@ -150,7 +150,7 @@ class Soak:
             lambda: grpc.infer("router", {"task": text_tensor(["text_classification"]),
                                           "payload": text_tensor(['{"text": ' + "[" * 50_000 + "]" * 50_000 + "}"])}),
             lambda: grpc.infer("speech_recognition", {"audio": text_tensor([b"RIFF....WAVEfmt "])}),
-            # Issue 19's one-request crashers and bypasses (screen.py, proxy.py): each must be refused
+            # Issue 19's one-request crashers and bypasses (front/screen.py, front/nginx_config.py): each must be refused
             # while tritonserver keeps running (the report counts its restarts).
             lambda: post("/v2/models/text_classification/infer", json.dumps({"inputs": one_text, "outputs": [
                 {"name": "label", "parameters": {"classification": 1}}]}).encode()),

@@ -1,5 +1,5 @@
 """python -m repo_builder --target embedded|gpu [--project-root DIR] [--output model_repository] [pipeline flags]
-python -m repo_builder plan [--gpu A100-40GB | --gpu-memory 40GiB | --host] ...: the memory planner (plan.py)"""
+python -m repo_builder plan [--gpu A100-40GB | --gpu-memory 40GiB | --host] ...: the memory planner (planner/)"""
 
 import argparse
 import sys
@@ -54,7 +54,7 @@ def parse_context(argv=None) -> tuple[BuildContext, list]:
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["plan"]:
-        from .plan import main as plan
+        from .planner.cli import main as plan
 
         sys.exit(plan(argv[1:]))
     build_repository(*parse_context(argv))

@@ -128,10 +128,10 @@ def compute_models_of(context: BuildContext, pipelines: list[Pipeline]) -> list[
 
 
 def planned_shm(context: BuildContext, pipelines: list[Pipeline]) -> dict[str, int]:
-    """``plan.shm_needs`` of the repository this context would build, from the descriptions and
+    """``planner.shm.shm_needs`` of the repository this context would build, from the descriptions and
     source configs alone (nothing exported): how the committed /dev/shm sizes of docker-compose.yml
     and deploy/k8s are checked for a target this machine does not build (gpu, Whisper large-v3)."""
-    from .plan import shm_needs
+    from .planner.shm import shm_needs
 
     configs, bounds = {}, {}
     for model in compute_models_of(context, pipelines):
@@ -188,7 +188,9 @@ def build_repository(context: BuildContext, pipelines: list[Pipeline]) -> list[s
                           compute_models={model.name: compute_model_facts(model) for model in compute_models})
     stamp.write(context.output)
     # The stubs' /dev/shm, from what was just written (the planner reads configs and the stamp).
-    from .plan import Repository, gib, shm_size_text
+    from .planner.estimates import Repository
+    from .planner.shm import shm_size_text
+    from .planner.sizes import gib
 
     stamp.shm_bytes = sum(Repository(context.output).shm_needs().values())
     stamp.write(context.output)

@@ -9,7 +9,7 @@ import numpy as np
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from repo_builder.plan import (Repository)
+from repo_builder.planner.estimates import Repository
 from triton_pipelines.client import TritonClient
 from triton_pipelines.server.processes import find_stubs
 

@@ -125,8 +125,8 @@ def load_whisper(source: WhisperSource):
     return model.eval()
 
 
-def _modules():
-    import torch
+def _encoder_module():
+    """The encoder's export module (torch imported on first use)."""
     from torch import nn
 
     class EncoderWithCrossKV(nn.Module):
@@ -149,6 +149,14 @@ def _modules():
                 value = attention.v_proj(hidden).view(batch, length, self.heads, self.head_dim)
                 outputs += [key.permute(0, 2, 3, 1), value.transpose(1, 2)]
             return tuple(outputs)
+
+    return EncoderWithCrossKV
+
+
+def _decoder_module():
+    """The decoder step's export module (torch imported on first use)."""
+    import torch
+    from torch import nn
 
     class DecoderStep(nn.Module):
         """Whisper's decoder written out with its own submodules: self-attention over the cache
@@ -205,14 +213,14 @@ def _modules():
             logits = torch.nn.functional.linear(last, self.embed_tokens.weight)
             return logits, torch.stack(presents, dim=1)
 
-    return EncoderWithCrossKV, DecoderStep
+    return DecoderStep
 
 
 def export_encoder(source: WhisperSource, onnx_path: Path) -> None:
     import torch
 
     model = load_whisper(source)
-    encoder_module, _ = _modules()
+    encoder_module = _encoder_module()
     layers = model.config.decoder_layers
     features = torch.zeros((1, model.config.num_mel_bins, N_FRAMES))
     names = cross_names(layers)
@@ -227,7 +235,7 @@ def export_decoder(source: WhisperSource, onnx_path: Path) -> None:
     import torch
 
     model = load_whisper(source)
-    _, decoder_module = _modules()
+    decoder_module = _decoder_module()
     config = model.config
     layers, heads = config.decoder_layers, config.decoder_attention_heads
     head_dim = config.d_model // heads

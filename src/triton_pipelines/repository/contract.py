@@ -95,7 +95,7 @@ class BuiltManifest:
     # The models whose inference the public ports serve (entry points and ensembles); None in a stamp
     # written before the field existed: every model.
     public_models: list[str] | None = None
-    model_table: list[dict] = field(default_factory=list)  # what was built from which weights (README)
+    model_table: list[dict] = field(default_factory=list)  # what was built from which weights (docs/pipelines.md)
     compute_models: dict[str, ComputeModelFacts] = field(default_factory=dict)
     # /dev/shm the Python-backend stubs may hold at full batches (None until the planner measured it)
     shm_bytes: int | None = None

@@ -1,4 +1,4 @@
-"""The launcher's side of the OpenAI-compatible frontend (``openai_server.py``): start it, see that it
+"""The launcher's side of the OpenAI-compatible frontend (``openai_api/server.py``): start it, see that it
 is alive, restart it, stop it with a drain, and read its metrics for the public ``:8002/metrics``.
 
 The launcher calls ``start()`` once, ``ensure_running()`` on every supervision pass, appends

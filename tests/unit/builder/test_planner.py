@@ -13,8 +13,10 @@ import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from repo_builder.plan import (GiB, GPUS, Instance, graph_weights, live_peak, parse_bytes, place,
-                               reduced_counts, smallest_fleet)
+from repo_builder.planner.estimates import Instance
+from repo_builder.planner.graph import graph_weights, live_peak
+from repo_builder.planner.placement import place, reduced_counts, smallest_fleet
+from repo_builder.planner.sizes import GiB, GPUS, parse_bytes
 
 from tests.conftest import ensure_repository
 from tests.support.lifecycle_helpers import copy_repository

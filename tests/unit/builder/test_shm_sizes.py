@@ -11,7 +11,9 @@ import re
 import yaml
 
 from repo_builder.__main__ import parse_context
-from repo_builder.plan import GiB, MiB, Repository, shm_size_text
+from repo_builder.planner.estimates import Repository
+from repo_builder.planner.shm import shm_size_text
+from repo_builder.planner.sizes import GiB, MiB
 from repo_builder.repository import planned_shm
 from triton_pipelines.server.launcher import shm_shortfall
 from triton_pipelines.repository.contract import ShmCheck, shm_capacity
@@ -45,7 +47,7 @@ def test_whisper_decode_holds_its_bls_calls():
 def test_the_self_attention_kv_the_decoder_keeps_is_not_planned_in_the_callers_region():
     """Embedded: whisper_decoder keeps the self-attention K/V between a keyed caller's steps
     (``state_inputs``), so whisper_decode's region holds the decoder step's other tensors only."""
-    from repo_builder.plan import _shm_region, _tensor_bytes, bls_calls, kept_in_callee, stub_region_bytes
+    from repo_builder.planner.shm import _shm_region, _tensor_bytes, bls_calls, kept_in_callee, stub_region_bytes
 
     built = Repository(ensure_repository())
     configs = built.configs()

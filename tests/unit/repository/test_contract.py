@@ -64,12 +64,12 @@ def test_an_older_stamp_reads_with_defaults(tmp_path):
 
 
 def test_the_launcher_and_the_planner_share_the_shm_sizes():
-    from repo_builder import plan
+    from repo_builder.planner import sizes
     from triton_pipelines.server import launcher
 
     assert launcher.PYTHON_BACKEND_CONFIG == PYTHON_BACKEND_SHM_CONFIG == (
         "shm-default-byte-size=16777216", "shm-growth-byte-size=16777216")
-    assert (plan.SHM_DEFAULT_BYTES, plan.SHM_GROWTH_BYTES) == (PYTHON_SHM_DEFAULT_BYTES, PYTHON_SHM_GROWTH_BYTES)
+    assert (sizes.SHM_DEFAULT_BYTES, sizes.SHM_GROWTH_BYTES) == (PYTHON_SHM_DEFAULT_BYTES, PYTHON_SHM_GROWTH_BYTES)
 
 
 def test_layout_imports_nothing_heavy():
