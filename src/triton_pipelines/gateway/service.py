@@ -42,7 +42,7 @@ from typing import Any, AsyncIterator, Callable, Iterator, Mapping, Protocol
 from triton_pipelines.gateway.keys import ApiKey, KeyRing, keys_from_environment
 from triton_pipelines.errors import REFUSAL_STATUSES, InputError, RouteError, refusal_text
 from triton_pipelines.gateway.upstream import MIN_ATTEMPT_S, GatewayClient
-from triton_pipelines.pipelines.routing import RoutedRequest, RouteTable, choose_model, estimate_prompt_tokens
+from triton_pipelines.repository.routes import RoutedRequest, RouteTable, choose_model, estimate_prompt_tokens
 from triton_pipelines.gateway.ledger import (KeyLimits, LimitExceeded, SpendLedger, call_cost_nusd, database_url, redacted_url,
                            usd)
 

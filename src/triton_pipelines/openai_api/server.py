@@ -785,7 +785,7 @@ def token_counter(model_repository: Path):
 
 
 def route_table(model_repository: Path):
-    from triton_pipelines.pipelines.routing import RouteTable
+    from triton_pipelines.repository.routes import RouteTable
 
     for path in (model_repository / "router" / "1" / "routes.yaml", Path("data/routes.yaml")):
         if path.exists():

@@ -33,8 +33,6 @@ PENDING: set[str] = {
 # Imports up a layer today, being moved (issue 31): the route table's schema to repository/, nginx's
 # supervision to server/. Each must still exist; the list shrinks to nothing.
 PENDING_UPWARD: set[str] = {
-    "triton_pipelines.gateway.service -> triton_pipelines.pipelines.routing",
-    "triton_pipelines.gateway.upstream -> triton_pipelines.pipelines.routing",
     "triton_pipelines.front.nginx_config -> triton_pipelines.server.processes",
 }
 

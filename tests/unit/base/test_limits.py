@@ -46,7 +46,7 @@ def test_the_modules_use_the_facts():
     from triton_pipelines.front import screen_server
     from triton_pipelines.openai_api import protocol
     from triton_pipelines.pipelines import speech, text
-    from triton_pipelines.pipelines.routing import RouteTable
+    from triton_pipelines.repository.routes import RouteTable
 
     assert nginx_config.ProxyConfig.__dataclass_fields__["upstream_timeout_s"].default == limits.REQUEST_TIMEOUT_S
     assert screen_server.UPSTREAM_TIMEOUT_S == limits.REQUEST_TIMEOUT_S

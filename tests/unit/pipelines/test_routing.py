@@ -18,7 +18,9 @@ import pytest
 
 from triton_pipelines.errors import InputError, RouteError
 from triton_pipelines.gateway.upstream import API_KEY_ENV, BASE_URL_ENV, CircuitBreaker, GatewayClient, retry_after_s
-from triton_pipelines.pipelines.routing import GatewaySettings, Router, RouteTable, SplitFile, choose_model, choose_version, cost_usd, split_point, tensor_to_json
+from triton_pipelines.pipelines.router.canary import SplitFile, choose_version, split_point
+from triton_pipelines.pipelines.router.router import Router, tensor_to_json
+from triton_pipelines.repository.routes import GatewaySettings, RouteTable, choose_model, cost_usd
 
 from tests.support.fake_gateway import Reply
 from tests.support.paths import PROJECT_ROOT
@@ -304,7 +306,7 @@ def test_batch_class_falls_back_to_realtime_only_when_asked_for_batch(router):
 def test_route_file_limits_override_the_table_defaults_and_only_those():
     import dataclasses
 
-    from triton_pipelines.pipelines.routing import LIMIT_TYPES
+    from triton_pipelines.repository.routes import LIMIT_TYPES
 
     defaults = RouteTable.from_document({})
     assert {name: getattr(defaults, name) for name in LIMIT_TYPES} == {
