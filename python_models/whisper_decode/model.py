@@ -11,7 +11,7 @@ get only the logits). Request parsing, the decoding loop and the outputs:
 ``triton_pipelines.pipelines.speech`` (``plan_request``, ``GreedyDecoder``, ``transcript_outputs``); the BLS
 calls: ``triton_pipelines.stub.whisper``."""
 
-from triton_pipelines.pipelines.speech import decode_jobs, plan_request, transcript_outputs
+from triton_pipelines.pipelines.speech.jobs import decode_jobs, plan_request, transcript_outputs
 from triton_pipelines.stub.responses import input_array, respond
 from triton_pipelines.stub.whisper import WhisperBls
 

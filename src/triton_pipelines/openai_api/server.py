@@ -704,7 +704,7 @@ async def read_multipart(request) -> tuple[dict[str, str], str | None, bytes | N
     the audio limit, other fields ``MAX_FIELD_BYTES``, the file name ``MAX_FILENAME_CHARS``."""
     from aiohttp import http_exceptions
 
-    from triton_pipelines.pipelines.speech import MAX_AUDIO_BYTES
+    from triton_pipelines.limits import MAX_AUDIO_BYTES
 
     if not (request.content_type or "").startswith("multipart/form-data"):
         raise proto.invalid(f"the body must be multipart/form-data with a 'file' part, not "
@@ -796,7 +796,7 @@ def route_table(model_repository: Path):
 async def serve(args: argparse.Namespace) -> None:
     from aiohttp import web
 
-    from triton_pipelines.pipelines.speech import LANGUAGE_CODES
+    from triton_pipelines.pipelines.speech.config import LANGUAGE_CODES
 
     try:
         public = BuiltManifest.read(args.model_repository).public_models

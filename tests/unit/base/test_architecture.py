@@ -23,7 +23,6 @@ PENDING: set[str] = {
     "module src/triton_pipelines/openai_api/server.py",
     "class src/triton_pipelines/openai_api/server.py:Frontend",
     "class src/triton_pipelines/ops/rollout.py:Rollout",
-    "module src/triton_pipelines/pipelines/speech.py",
     "class src/triton_pipelines/server/launcher.py:Launcher",
     "function src/triton_pipelines/server/launcher.py:main",
     "function build/repo_builder/export/whisper.py:_modules",
