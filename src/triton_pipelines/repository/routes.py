@@ -72,7 +72,7 @@ class GatewaySettings:
     max_tokens_limit: int = 8192
     max_in_flight: int = 64  # gateway calls at once; more are refused at once (UNAVAILABLE)
     # A reservation not settled this long after its request's deadline is abandoned in the spend
-    # ledger (charged at its reserved cost): spend_ledger.py.
+    # ledger (charged at its reserved cost): gateway/ledger.py.
     reservation_margin_s: float = 60.0
     # What the spend ledger reserves per image part before the call (the prompt's text is counted
     # in UTF-8 bytes, an upper bound of its tokens).
