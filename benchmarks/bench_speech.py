@@ -33,8 +33,12 @@ from pathlib import Path
 import numpy as np
 
 from triton_pipelines.client import TritonClient, text_tensor
-from triton_pipelines.pipelines.speech import SAMPLE_RATE, WhisperOnnx, WhisperTokenizer, audio_to_features, decode_audio
-from triton_pipelines.pipelines.speech import join_transcript, load_mel_filters
+from triton_pipelines.pipelines.speech.audio import decode_audio
+from triton_pipelines.pipelines.speech.config import SAMPLE_RATE
+from triton_pipelines.pipelines.speech.features import audio_to_features, load_mel_filters
+from triton_pipelines.pipelines.speech.jobs import join_transcript
+from triton_pipelines.pipelines.speech.reference import WhisperOnnx
+from triton_pipelines.pipelines.speech.tokenizer import WhisperTokenizer
 from tools.speech_eval import CORPUS, FasterWhisperGreedy, corpus_wer, join_clips, speak
 
 from .perf import BENCH_DIR, markdown_table

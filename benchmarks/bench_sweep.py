@@ -60,7 +60,7 @@ def requests_for(model: str, repository: Path):
         return [triton_request([("pixel_values", "FP32", preprocess_image(p)[None])], ["logits"])
                 for p in jpeg_payloads(4)], "preprocessed 224x224 images"
     if model == "whisper_encoder":
-        from triton_pipelines.pipelines.speech import audio_to_features, load_mel_filters
+        from triton_pipelines.pipelines.speech.features import audio_to_features, load_mel_filters
 
         from .speech_work import clip
 

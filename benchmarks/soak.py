@@ -163,7 +163,7 @@ class Soak:
             lambda: post("/v2/models/whisper_decoder/infer", json.dumps({"inputs": one_text}).encode()),
             lambda: post("/v2/models/" + "m" * 8000 + "/infer", b"{}"),
             lambda: gzip_infer(),
-            # cheap to send, costly to decode (image_budget.py, speech.py)
+            # cheap to send, costly to decode (image_budget.py, speech/audio.py)
             lambda: grpc.infer("image_classification", {"image": text_tensor([progressive])}),
             lambda: grpc.infer("image_classification", {"image": text_tensor([rle_bmp])}),
             lambda: grpc.infer("speech_recognition", {"audio": text_tensor([one_hertz])}),

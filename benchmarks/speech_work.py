@@ -8,7 +8,10 @@ from typing import Sequence
 
 import numpy as np
 
-from triton_pipelines.pipelines.speech import WhisperOnnx, WhisperTokenizer, audio_to_features, join_transcript, load_mel_filters
+from triton_pipelines.pipelines.speech.features import audio_to_features, load_mel_filters
+from triton_pipelines.pipelines.speech.jobs import join_transcript
+from triton_pipelines.pipelines.speech.reference import WhisperOnnx
+from triton_pipelines.pipelines.speech.tokenizer import WhisperTokenizer
 
 LANGUAGE = "en"
 # About 10 s of English speech (espeak-ng): three sentences of the quality tests' corpus.

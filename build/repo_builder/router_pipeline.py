@@ -8,7 +8,7 @@ import dataclasses
 import shutil
 from pathlib import Path
 
-from triton_pipelines.pipelines.routing import RouteTable
+from triton_pipelines.repository.routes import RouteTable
 
 from .compute import ComputeModel
 from .pipeline import BuildContext, Pipeline

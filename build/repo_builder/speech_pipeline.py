@@ -18,8 +18,8 @@ from pathlib import Path
 
 from tritonclient.grpc import model_config_pb2 as mc
 
-from triton_pipelines.pipelines import speech
-from triton_pipelines.pipelines.speech import cross_names
+from triton_pipelines.pipelines.speech.config import CONFIG_PARAMETERS
+from triton_pipelines.pipelines.speech.decoding import cross_names
 from triton_pipelines.stub.heap import HEAP_KEEP_PARAMETER
 
 from .compute import ComputeModel, LatencyVariant, TensorSpec
@@ -123,7 +123,7 @@ def decoder_model(source: WhisperSource) -> ComputeModel:
 
 class SpeechPipeline(Pipeline):
     python_models = ("audio_features", "whisper_decode", "speech_recognition_stream")
-    runtime_parameters = speech.CONFIG_PARAMETERS
+    runtime_parameters = CONFIG_PARAMETERS
     ensembles = ("speech_recognition",)
     # The decoupled streaming pipeline (partial transcripts on gRPC ModelStreamInfer) is one Python model.
     entry_points = ("speech_recognition_stream",)

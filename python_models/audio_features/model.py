@@ -3,7 +3,8 @@
 Decoding, downmix, resampling and the spectrogram live in ``triton_pipelines.pipelines.speech``; a bad item
 fails its own request only."""
 
-from triton_pipelines.pipelines.speech import audio_to_features, load_mel_filters, pad_windows
+from triton_pipelines.pipelines.speech.features import audio_to_features, load_mel_filters
+from triton_pipelines.pipelines.speech.windows import pad_windows
 from triton_pipelines.stub.model_args import model_parameters, version_dir
 from triton_pipelines.stub.responses import input_array, respond
 

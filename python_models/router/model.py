@@ -2,8 +2,8 @@
 
 ``execute`` starts one task per request and returns at once; each task answers through its own
 response sender, so no request waits for another (a slow gateway call holds up nothing else).
-Logic: ``triton_pipelines.pipelines.router_service`` (handling, bounds, deadlines), ``routing`` (parsing,
-routes, canary), ``gateway_service`` (keys, budgets, spend ledger, fallbacks), ``gateway``."""
+Logic: ``triton_pipelines.pipelines.router`` (``service``: handling, bounds, deadlines; ``router``,
+``payload``, ``canary``: parsing, routes, canary), ``repository.routes`` (the route table), ``gateway_service`` (keys, budgets, spend ledger, fallbacks), ``gateway``."""
 
 import asyncio
 import os
@@ -12,8 +12,10 @@ import triton_python_backend_utils as pb_utils
 
 from triton_pipelines.gateway.keys import KEY_ID_PARAMETER
 from triton_pipelines.gateway.service import GatewayService
-from triton_pipelines.pipelines.router_service import RouterService
-from triton_pipelines.pipelines.routing import Router, RouteTable, SplitFile
+from triton_pipelines.pipelines.router.service import RouterService
+from triton_pipelines.pipelines.router.canary import SplitFile
+from triton_pipelines.pipelines.router.router import Router
+from triton_pipelines.repository.routes import RouteTable
 from triton_pipelines.stub.bls import call_async
 from triton_pipelines.stub.metrics import RouterMetrics
 from triton_pipelines.stub.model_args import model_parameters, version_dir

@@ -5,14 +5,15 @@ so far, ``delta`` since the last response) as tokens are decoded and one final r
 It does ``audio_features``' step in process (it needs each window's span in the audio) and
 ``whisper_decode``'s loop over BLS calls to ``whisper_encoder`` / ``whisper_decoder``
 (``triton_pipelines.stub.whisper``): every request of a dynamic batch is decoded together, one
-decoder step for all running windows (``triton_pipelines.pipelines.speech.StreamDecode``). A request whose
+decoder step for all running windows (``triton_pipelines.pipelines.speech.streaming.StreamDecode``). A request whose
 client has gone (cancelled) stops decoding within 0.1 s. Request parameter ``partials: false``:
 only the final response."""
 
 import triton_python_backend_utils as pb_utils
 
 from triton_pipelines.errors import InputError
-from triton_pipelines.pipelines.speech import StreamDecode, load_mel_filters, plan_stream_job
+from triton_pipelines.pipelines.speech.features import load_mel_filters
+from triton_pipelines.pipelines.speech.streaming import StreamDecode, plan_stream_job
 from triton_pipelines.stub.model_args import version_dir
 from triton_pipelines.stub.responses import error_response, input_array, output_response, request_parameters
 from triton_pipelines.stub.whisper import WhisperBls

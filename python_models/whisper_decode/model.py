@@ -1,7 +1,7 @@
 """Greedy Whisper decoding driven by BLS calls to ``whisper_encoder`` and ``whisper_decoder``.
 
 All requests of one dynamic batch are decoded together, one encoder call's worth of windows at a
-time (``encoder_max_batch_size``: ``speech.decode_group_size``): one encoder call per group, then
+time (``encoder_max_batch_size``: ``speech.jobs.decode_group_size``): one encoder call per group, then
 every decoder step is one call for the group's windows still running. The cross-attention K/V do not
 change between steps: on the gpu target they are passed on as the encoder response's own (device)
 tensors; on the embedded target, where every BLS input is copied into the callee's stub, the first
@@ -11,7 +11,7 @@ get only the logits). Request parsing, the decoding loop and the outputs:
 ``triton_pipelines.pipelines.speech`` (``plan_request``, ``GreedyDecoder``, ``transcript_outputs``); the BLS
 calls: ``triton_pipelines.stub.whisper``."""
 
-from triton_pipelines.pipelines.speech import decode_jobs, plan_request, transcript_outputs
+from triton_pipelines.pipelines.speech.jobs import decode_jobs, plan_request, transcript_outputs
 from triton_pipelines.stub.responses import input_array, respond
 from triton_pipelines.stub.whisper import WhisperBls
 

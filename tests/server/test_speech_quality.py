@@ -25,8 +25,11 @@ import pytest
 import soundfile
 
 from triton_pipelines.client import TritonClient, text_tensor
-from triton_pipelines.pipelines.speech import (SAMPLE_RATE, WhisperTokenizer, audio_to_features, decode_audio,
-                                     load_mel_filters, window_cuts)
+from triton_pipelines.pipelines.speech.audio import decode_audio
+from triton_pipelines.pipelines.speech.config import SAMPLE_RATE
+from triton_pipelines.pipelines.speech.features import audio_to_features, load_mel_filters
+from triton_pipelines.pipelines.speech.tokenizer import WhisperTokenizer
+from triton_pipelines.pipelines.speech.windows import window_cuts
 from tools.speech_eval import (CORPUS, FasterWhisperGreedy, corpus_wer, join_clips, normalize_words,
                                           speak, word_errors)
 

@@ -15,8 +15,11 @@ import pytest
 import soundfile
 
 from triton_pipelines.client import InferenceServerException, TritonClient, text_tensor
-from triton_pipelines.pipelines.speech import (SAMPLE_RATE, WhisperOnnx, WhisperTokenizer, audio_to_features,
-                                     join_transcript, load_mel_filters)
+from triton_pipelines.pipelines.speech.config import SAMPLE_RATE
+from triton_pipelines.pipelines.speech.features import audio_to_features, load_mel_filters
+from triton_pipelines.pipelines.speech.jobs import join_transcript
+from triton_pipelines.pipelines.speech.reference import WhisperOnnx
+from triton_pipelines.pipelines.speech.tokenizer import WhisperTokenizer
 
 from tests.conftest import statistics_after
 from tests.support.paths import TEST_DATA

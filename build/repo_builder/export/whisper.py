@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from triton_pipelines.pipelines.speech import cross_names
+from triton_pipelines.pipelines.speech.decoding import cross_names
 
 from ..files import hash_files
 

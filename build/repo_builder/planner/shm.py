@@ -39,9 +39,10 @@ def bls_calls(config: mc.ModelConfig) -> list[tuple[str, int, dict[str, int]]]:
     their variable dims, from its parameters: their inputs and outputs cross the caller's own
     shared-memory region too. whisper_decode (and its variants): one encoder call per
     ``encoder_max_batch_size`` windows; each decoder step for the windows decoded together
-    (``speech.decode_group_size``), its self-attention K/V up to Whisper's 448 positions (unless
+    (``speech.jobs.decode_group_size``), its self-attention K/V up to Whisper's 448 positions (unless
     the decoder keeps them: ``kept_in_callee``)."""
-    from triton_pipelines.pipelines.speech import MAX_TARGET_POSITIONS, decode_group_size
+    from triton_pipelines.pipelines.speech.config import MAX_TARGET_POSITIONS
+    from triton_pipelines.pipelines.speech.jobs import decode_group_size
 
     p = {key: value.string_value for key, value in config.parameters.items()}
     if "encoder_model" in p and "decoder_model" in p:

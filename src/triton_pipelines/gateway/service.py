@@ -46,7 +46,7 @@ from typing import AsyncIterator, Callable, Iterator, Mapping
 from triton_pipelines.gateway.keys import ApiKey, KeyRing, keys_from_environment
 from triton_pipelines.errors import InputError, RouteError
 from triton_pipelines.gateway.upstream import MIN_ATTEMPT_S, GatewayClient
-from triton_pipelines.pipelines.routing import RoutedRequest, RouteTable, choose_model, estimate_prompt_tokens
+from triton_pipelines.repository.routes import RoutedRequest, RouteTable, choose_model, estimate_prompt_tokens
 from triton_pipelines.gateway.ledger import KeyLimits, SpendLedger, call_cost_nusd, usd
 from triton_pipelines.gateway.ledger_db import database_url, redacted_url
 from triton_pipelines.gateway.access import Access

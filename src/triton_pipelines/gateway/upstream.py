@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Awaitable, Callable, Mapping
 
 from triton_pipelines.errors import RouteError
-from triton_pipelines.pipelines.routing import GatewaySettings, RoutedRequest
+from triton_pipelines.repository.routes import GatewaySettings, RoutedRequest
 
 BASE_URL_ENV = "LLM_GATEWAY_BASE_URL"
 API_KEY_ENV = "LLM_GATEWAY_API_KEY"

@@ -10,7 +10,7 @@ async def read_multipart(request) -> tuple[dict[str, str], str | None, bytes | N
     the audio limit, other fields ``MAX_FIELD_BYTES``, the file name ``MAX_FILENAME_CHARS``."""
     from aiohttp import http_exceptions
 
-    from triton_pipelines.pipelines.speech import MAX_AUDIO_BYTES
+    from triton_pipelines.limits import MAX_AUDIO_BYTES
 
     if not (request.content_type or "").startswith("multipart/form-data"):
         raise proto.invalid(f"the body must be multipart/form-data with a 'file' part, not "

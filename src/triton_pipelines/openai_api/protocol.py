@@ -40,7 +40,7 @@ from triton_pipelines.limits import MAX_TEXT_BYTES
 # the pipeline's max batch (64): a list of 64 strings is ONE request to text_embedding.
 MAX_EMBEDDING_INPUTS = 2048
 # One string: text_tokenizer's max_text_bytes (python_models/text_tokenizer/config.pbtxt).
-# Multipart (audio): parts, the file (speech.MAX_AUDIO_BYTES, audio_features' max_audio_bytes),
+# Multipart (audio): parts, the file (limits.MAX_AUDIO_BYTES, audio_features' max_audio_bytes),
 # every other field, and the file name.
 MAX_MULTIPART_PARTS = 16
 MAX_FIELD_BYTES = 16 * 1024

@@ -55,7 +55,7 @@ def token_counter(model_repository: Path):
 
 
 def route_table(model_repository: Path):
-    from triton_pipelines.pipelines.routing import RouteTable
+    from triton_pipelines.repository.routes import RouteTable
 
     for path in (model_repository / "router" / "1" / "routes.yaml", Path("data/routes.yaml")):
         if path.exists():
@@ -66,7 +66,7 @@ def route_table(model_repository: Path):
 async def serve(args: argparse.Namespace) -> None:
     from aiohttp import web
 
-    from triton_pipelines.pipelines.speech import LANGUAGE_CODES
+    from triton_pipelines.pipelines.speech.config import LANGUAGE_CODES
 
     try:
         public = BuiltManifest.read(args.model_repository).public_models

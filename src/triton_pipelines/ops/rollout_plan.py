@@ -26,7 +26,7 @@ from triton_pipelines.errors import INPUT_REASONS
 from triton_pipelines.repository.ensemble_graph import EnsembleGraph
 from triton_pipelines.repository.contract import STABLE_VERSION, BuiltManifest, parse_variant_name
 
-from triton_pipelines.pipelines.routing import RouteTable
+from triton_pipelines.repository.routes import RouteTable
 
 
 class RolloutError(RuntimeError):

@@ -11,7 +11,7 @@ import triton_python_backend_utils as pb_utils
 
 if TYPE_CHECKING:
     from triton_pipelines.gateway.upstream import Completion
-    from triton_pipelines.pipelines.routing import RoutedRequest
+    from triton_pipelines.repository.routes import RoutedRequest
 
 LATENCY_BUCKETS_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
 
@@ -35,7 +35,7 @@ class MetricSet:
 
 
 class RouterMetrics(MetricSet):
-    """The router's metrics (``router_service.Recorder``)."""
+    """The router's metrics (``pipelines.router.service.Recorder``)."""
 
     def __init__(self):
         super().__init__({

@@ -1,6 +1,6 @@
 """Greedy Whisper decoding over BLS, shared by ``whisper_decode`` and ``speech_recognition_stream``:
 their parameters, the Whisper tokenizer, one encoder pass per group of windows and one
-``whisper_decoder`` call per step (``triton_pipelines.pipelines.speech.GreedyDecoder``).
+``whisper_decoder`` call per step (``triton_pipelines.pipelines.speech.decoding.GreedyDecoder``).
 
 The cross-attention K/V do not change between steps: on the gpu target they are passed on as the
 encoder response's own (device) tensors; on the embedded target, where every BLS input and output
@@ -14,7 +14,9 @@ import os
 
 import triton_python_backend_utils as pb_utils
 
-from triton_pipelines.pipelines.speech import GreedyDecoder, WhisperTokenizer, cross_names, decode_group_size
+from triton_pipelines.pipelines.speech.decoding import GreedyDecoder, cross_names
+from triton_pipelines.pipelines.speech.jobs import decode_group_size
+from triton_pipelines.pipelines.speech.tokenizer import WhisperTokenizer
 from triton_pipelines.stub.bls import call, gather_rows
 from triton_pipelines.stub.heap import keep_freed_heap
 from triton_pipelines.stub.model_args import model_parameters, version_dir

@@ -45,14 +45,15 @@ def test_the_modules_use_the_facts():
     from triton_pipelines.front import nginx_config
     from triton_pipelines.front import screen_server
     from triton_pipelines.openai_api import protocol
-    from triton_pipelines.pipelines import speech, text
-    from triton_pipelines.pipelines.routing import RouteTable
+    from triton_pipelines.pipelines import text
+    from triton_pipelines.pipelines.speech import config as speech_config
+    from triton_pipelines.repository.routes import RouteTable
 
     assert nginx_config.ProxyConfig.__dataclass_fields__["upstream_timeout_s"].default == limits.REQUEST_TIMEOUT_S
     assert screen_server.UPSTREAM_TIMEOUT_S == limits.REQUEST_TIMEOUT_S
     assert TritonClient.__init__.__defaults__[0] == limits.REQUEST_TIMEOUT_S
     assert protocol.MAX_TEXT_BYTES == text.MAX_TEXT_BYTES == limits.MAX_TEXT_BYTES
-    assert speech.MAX_AUDIO_BYTES == limits.DEFAULT_MAX_BODY_BYTES
+    assert speech_config.MAX_AUDIO_BYTES == limits.DEFAULT_MAX_BODY_BYTES
     assert RouteTable.__dataclass_fields__["triton_deadline_s"].default == limits.SELF_HOSTED_DEADLINE_S
     assert RouteTable.__dataclass_fields__["max_rows_per_request"].default == limits.TEXT_MAX_BATCH
 

@@ -12,7 +12,7 @@ import pytest
 from repo_builder import ct2_whisper
 from repo_builder.export.whisper import WHISPER_SIZES
 from repo_builder.speech_pipeline import whisper_assets_dir
-from triton_pipelines.pipelines.speech import WhisperTokenizer
+from triton_pipelines.pipelines.speech.tokenizer import WhisperTokenizer
 
 
 def string(text: str) -> bytes:

@@ -71,6 +71,6 @@ def test_the_body_limit_is_the_largest_legal_input():
     """The front's default body limit is the speech pipeline's audio limit (the largest input a model
     accepts; audio_features' config holds the same number, tests/unit/pipelines/test_input_budgets.py)."""
     from triton_pipelines.front.nginx_config import DEFAULT_MAX_BODY_BYTES
-    from triton_pipelines.pipelines.speech import MAX_AUDIO_BYTES
+    from triton_pipelines.limits import MAX_AUDIO_BYTES
 
     assert DEFAULT_MAX_BODY_BYTES == MAX_AUDIO_BYTES

@@ -11,7 +11,7 @@ from tritonclient.grpc import service_pb2
 
 from triton_pipelines.gateway.keys import KEY_ID_PARAMETER, KeyRing, key_id
 from triton_pipelines.errors import parse_refusal, refusal_text
-from triton_pipelines.pipelines.routing import RouteTable
+from triton_pipelines.repository.routes import RouteTable
 from triton_pipelines.front.screen import ScreenError, ScreenPolicy, check_grpc_request, check_http_request
 from triton_pipelines.front.screen_server import key_id_for, refused_answer
 from tests.support.paths import PROJECT_ROOT

@@ -15,7 +15,7 @@ from triton_pipelines.errors import RouteError, parse_refusal
 from triton_pipelines.gateway.upstream import GatewayClient
 from triton_pipelines.gateway.refusal import GatewayRefusal
 from triton_pipelines.gateway.service import GatewayService
-from triton_pipelines.pipelines.routing import RouteTable
+from triton_pipelines.repository.routes import RouteTable
 from triton_pipelines.gateway.ledger import SpendLedger
 
 from tests.support.fake_gateway import Reply, context_length_error

@@ -1,5 +1,5 @@
 """The OpenAI-compatible surface's protocol (openai_protocol.py) and the streaming transcript logic
-(speech.StreamDecode, stable_prefix): no server."""
+(speech.streaming.StreamDecode, stable_prefix): no server."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from triton_pipelines.openai_api import protocol as proto
-from triton_pipelines.pipelines.speech import GreedyBatch, StreamDecode, StreamJob, stable_prefix, text_delta
+from triton_pipelines.pipelines.speech.decoding import GreedyBatch
+from triton_pipelines.pipelines.speech.streaming import StreamDecode, StreamJob, stable_prefix, text_delta
 
 CATALOG = proto.ModelCatalog.build(["text_embedding", "text_classification", "speech_recognition", "router"],
                                    ["gpt-4.1", "deepseek-v3.2"])
@@ -356,9 +357,9 @@ def test_without_partials_only_the_final_response_is_sent_and_groups_are_respect
 
 
 def test_a_cancelled_request_stops_decoding_and_gets_one_empty_final_response(monkeypatch):
-    from triton_pipelines.pipelines import speech
+    from triton_pipelines.pipelines.speech import streaming
 
-    monkeypatch.setattr(speech, "CANCEL_CHECK_S", 0.0)  # ask at every step (a real step takes ms)
+    monkeypatch.setattr(streaming, "CANCEL_CHECK_S", 0.0)  # ask at every step (a real step takes ms)
     steps = []
     script = {0: list(range(1, 40)), 1: [7, 8]}
     sent = run_stream([job(0), job(1)], script, cancelled=lambda i: i == 0 and len(steps.append(1) or steps) > 3)

@@ -23,7 +23,7 @@ from tests.support import hostile_files as hostile
 def config_parameters(model: str) -> dict[str, str]:
     """What the builder writes into a Python model's config from the runtime's constants."""
     from repo_builder.pipeline import parameter_text
-    from triton_pipelines.pipelines import speech
+    from triton_pipelines.pipelines.speech import config as speech
     from triton_pipelines.pipelines import text
     from triton_pipelines.pipelines import vision
 
@@ -144,15 +144,19 @@ def test_exif_orientation_matches_pillows_exif_transpose(orientation):
 
 
 # ------------------------------------------------------------------------------------ audio
-from triton_pipelines.pipelines import speech  # noqa: E402
+from triton_pipelines.limits import MAX_AUDIO_BYTES, MAX_AUDIO_SECONDS  # noqa: E402
+from triton_pipelines.pipelines.speech.audio import decode_audio  # noqa: E402
+from triton_pipelines.pipelines.speech.config import MAX_DECODED_SAMPLES, MIN_SAMPLE_RATE, SAMPLE_RATE  # noqa: E402
+from triton_pipelines.pipelines.speech.features import audio_to_features  # noqa: E402
+from triton_pipelines.pipelines.speech.windows import is_silent, sounding_windows, split_windows  # noqa: E402
 
 
 def test_audio_features_config_holds_the_python_defaults():
     parameters = config_parameters("audio_features")
-    assert float(parameters["max_audio_seconds"]) == speech.MAX_AUDIO_SECONDS
-    assert int(parameters["max_audio_bytes"]) == speech.MAX_AUDIO_BYTES
-    assert int(parameters["max_decoded_samples"]) == speech.MAX_DECODED_SAMPLES
-    assert int(parameters["min_sample_rate"]) == speech.MIN_SAMPLE_RATE
+    assert float(parameters["max_audio_seconds"]) == MAX_AUDIO_SECONDS
+    assert int(parameters["max_audio_bytes"]) == MAX_AUDIO_BYTES
+    assert int(parameters["max_decoded_samples"]) == MAX_DECODED_SAMPLES
+    assert int(parameters["min_sample_rate"]) == MIN_SAMPLE_RATE
 
 
 @pytest.mark.parametrize("rate", [1, 100, 7999])
@@ -160,16 +164,16 @@ def test_audio_below_telephone_band_is_refused(rate):
     data = hostile.wav(rate, 300 * rate if rate < 7999 else 8000)
     started = time.process_time()
     with pytest.raises(InputError, match=f"has a sample rate of {rate} Hz; the minimum is 8000 Hz"):
-        speech.decode_audio(data)
+        decode_audio(data)
     assert time.process_time() - started < 0.2
-    assert len(speech.decode_audio(hostile.wav(8000, 8000))) == 16000  # 1 s at the floor: decoded
+    assert len(decode_audio(hostile.wav(8000, 8000))) == 16000  # 1 s at the floor: decoded
 
 
 def test_a_wav_header_cannot_declare_more_samples_than_the_file_carries():
     data = bytearray(hostile.wav(16000, 16000))  # 1 s, then claim 300 s in RIFF and data sizes
     data[4:8] = struct.pack("<I", 36 + 300 * 32000)
     data[40:44] = struct.pack("<I", 300 * 32000)
-    assert len(speech.decode_audio(bytes(data))) == 16000
+    assert len(decode_audio(bytes(data))) == 16000
 
 
 def test_other_libsndfile_formats_are_refused():
@@ -178,7 +182,7 @@ def test_other_libsndfile_formats_are_refused():
     buffer = io.BytesIO()
     soundfile.write(buffer, np.zeros(16000, np.float32), 16000, format="AIFF")
     with pytest.raises(InputError, match="AIFF .*accepted: WAV, FLAC, OGG"):
-        speech.decode_audio(buffer.getvalue())
+        decode_audio(buffer.getvalue())
 
 
 @pytest.mark.parametrize("fmt", ["FLAC", "OGG", "OPUS"])
@@ -187,23 +191,23 @@ def test_compressed_silence_costs_one_window(fmt):
     assert len(data) < 200_000
     filters = np.zeros((80, 201), np.float32)
     started = time.process_time()
-    assert speech.audio_to_features(data, filters).shape == (1, 80, 3000)
+    assert audio_to_features(data, filters).shape == (1, 80, 3000)
     assert time.process_time() - started < 5
 
 
 def test_silent_windows_are_left_out_and_sounding_ones_kept():
-    rate = speech.SAMPLE_RATE
+    rate = SAMPLE_RATE
     rng = np.random.default_rng(0)
     voice = (0.1 * rng.standard_normal(5 * rate)).astype(np.float32)
     silence = np.zeros(60 * rate, np.float32)
     audio = np.concatenate([voice, silence, voice, silence])  # 130 s: 5 windows, 2 sound
-    windows = speech.sounding_windows(audio)
-    assert len(speech.split_windows(audio)) == 5 and len(windows) == 2
-    assert all(not speech.is_silent(w) for w in windows)
+    windows = sounding_windows(audio)
+    assert len(split_windows(audio)) == 5 and len(windows) == 2
+    assert all(not is_silent(w) for w in windows)
     # a constant offset and dither below 4 LSB of 16-bit audio are silence; one LSB above is not
-    assert speech.is_silent(np.full(100, 0.3, np.float32))
-    assert speech.is_silent(rng.integers(-1, 2, 1000).astype(np.float32) / 32768)
-    assert not speech.is_silent(rng.integers(-3, 3, 1000).astype(np.float32) / 32768 * 2)
+    assert is_silent(np.full(100, 0.3, np.float32))
+    assert is_silent(rng.integers(-1, 2, 1000).astype(np.float32) / 32768)
+    assert not is_silent(rng.integers(-3, 3, 1000).astype(np.float32) / 32768 * 2)
 
 
 # ------------------------------------------------------------------------------------ text

@@ -12,30 +12,15 @@ import soundfile
 from repo_builder.speech_pipeline import whisper_assets_dir
 from triton_pipelines.errors import InputError, UpstreamError
 from triton_pipelines.pipelines.onnx_runner import InputCache
-from triton_pipelines.pipelines.speech import (
-    MAX_TARGET_POSITIONS,
-    SAMPLE_RATE,
-    SEAM_QUIET_SECONDS,
-    SEAM_SEARCH_SECONDS,
-    WINDOW_SAMPLES,
-    DecodeJob,
-    GreedyBatch,
-    GreedyDecoder,
-    WhisperTokenizer,
-    cross_names,
-    decode_audio,
-    decode_group_size,
-    decode_jobs,
-    group_windows,
-    join_transcript,
-    load_mel_filters,
-    log_mel_spectrogram,
-    pad_windows,
-    plan_request,
-    split_windows,
-    suppress_mask,
-    transcript_outputs,
-)
+from triton_pipelines.pipelines.speech.audio import decode_audio
+from triton_pipelines.pipelines.speech.config import MAX_TARGET_POSITIONS, SAMPLE_RATE, WINDOW_SAMPLES
+from triton_pipelines.pipelines.speech.decoding import GreedyBatch, GreedyDecoder, cross_names
+from triton_pipelines.pipelines.speech.features import load_mel_filters, log_mel_spectrogram
+from triton_pipelines.pipelines.speech.jobs import (DecodeJob, decode_group_size, decode_jobs, group_windows,
+                                                    join_transcript, plan_request, transcript_outputs)
+from triton_pipelines.pipelines.speech.tokenizer import WhisperTokenizer, suppress_mask
+from triton_pipelines.pipelines.speech.windows import (SEAM_QUIET_SECONDS, SEAM_SEARCH_SECONDS, pad_windows,
+                                                       split_windows)
 from tests.support.paths import TEST_DATA
 
 DATA = TEST_DATA

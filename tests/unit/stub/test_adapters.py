@@ -225,7 +225,8 @@ def test_whisper_decode_adapter_gives_the_in_process_tokens_across_decoder_insta
     """audio_features → whisper_decode, whose BLS calls reach the embedded runner template for
     whisper_encoder and two whisper_decoder instances taking turns: each holds the cross K/V cache
     of its own, so steps miss it and send the windows again. Tokens equal the in-process reference."""
-    from triton_pipelines.pipelines.speech import WhisperOnnx, WhisperTokenizer
+    from triton_pipelines.pipelines.speech.reference import WhisperOnnx
+    from triton_pipelines.pipelines.speech.tokenizer import WhisperTokenizer
 
     features_model = initialized(ROOT / "python_models" / "audio_features" / "model.py", "audio_features")
     decode_model = initialized(ROOT / "python_models" / "whisper_decode" / "model.py", "whisper_decode")

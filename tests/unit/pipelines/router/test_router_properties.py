@@ -14,8 +14,9 @@ from hypothesis import strategies as st
 
 from triton_pipelines.errors import INPUT_REASONS, InputError, UNAVAILABLE_REASONS
 from triton_pipelines.gateway.upstream import GatewayClient
-from triton_pipelines.pipelines.router_service import RouterService
-from triton_pipelines.pipelines.routing import RoutedRequest, Router, RouteTable
+from triton_pipelines.pipelines.router.service import RouterService
+from triton_pipelines.pipelines.router.router import Router
+from triton_pipelines.repository.routes import RoutedRequest, RouteTable
 from tests.support.paths import PROJECT_ROOT
 
 TABLE = RouteTable.load(PROJECT_ROOT / "data" / "routes.yaml")

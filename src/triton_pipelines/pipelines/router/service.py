@@ -26,7 +26,8 @@ from triton_pipelines.errors import InputError, RouteError, decode_utf8, error_k
 from triton_pipelines.gateway.upstream import Completion, GatewayClient
 from triton_pipelines.gateway.refusal import GatewayRefusal
 from triton_pipelines.gateway.service import GatewayService
-from triton_pipelines.pipelines.routing import RoutedRequest, Router, json_bytes
+from triton_pipelines.repository.routes import RoutedRequest
+from triton_pipelines.pipelines.router.router import Router, json_bytes
 
 @dataclass
 class Answer:

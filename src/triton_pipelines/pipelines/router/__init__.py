@@ -1,0 +1,1 @@
+"""The router: the Router, canary splits, payload parsing and the request handling service."""

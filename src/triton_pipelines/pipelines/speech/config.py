@@ -1,0 +1,59 @@
+"""The speech pipeline's constants: Whisper's audio and text geometry, the audio limits, the
+languages and tasks, the request defaults, and the parameters the builder writes into the models'
+configs (``CONFIG_PARAMETERS``)."""
+
+from __future__ import annotations
+
+from triton_pipelines.limits import MAX_AUDIO_BYTES, MAX_AUDIO_SECONDS
+
+
+SAMPLE_RATE = 16000
+N_FFT = 400
+HOP_LENGTH = 160
+WINDOW_SECONDS = 30
+WINDOW_SAMPLES = WINDOW_SECONDS * SAMPLE_RATE  # 480000
+N_FRAMES = WINDOW_SAMPLES // HOP_LENGTH  # 3000
+# Whisper's text context is 448 positions; 4 go to the prompt.
+MAX_TARGET_POSITIONS = 448
+PROMPT_LENGTH = 4
+# Decoding work is channels × rate × seconds, read from the header before decoding: 300 s of 48 kHz
+# stereo. A small FLAC of 8 channels at 192 kHz would otherwise decode to GBs.
+MAX_DECODED_SAMPLES = 300 * 48000 * 2
+# A request's cost must follow from what it carries, not from what its header declares:
+# - the sample rate may not be below telephone band (8 kHz): a 644-byte WAV at 1 Hz declared 300 s
+#   and was resampled to 4.8 M samples, 10 Whisper windows (17 s of compute);
+# - only the formats we document (libsndfile reads many more: AIFF, CAF, XI, PAF, ... parsers we
+#   have no reason to expose): WAV (also WAVEX, RF64), FLAC, OGG (Vorbis, Opus);
+# - windows that are digital silence (peak-to-peak under SILENCE_PEAK_TO_PEAK, ~4 LSB of 16-bit
+#   audio: nothing to hear) are not decoded: a few KB of FLAC or Vorbis silence declaring 300 s
+#   costs one window, not ten. A clip that is silent throughout keeps its first window.
+MIN_SAMPLE_RATE = 8000
+AUDIO_FORMATS = ("WAV", "WAVEX", "RF64", "FLAC", "OGG")
+SILENCE_PEAK_TO_PEAK = 2.0 ** -13
+# Decoded and downmixed a block at a time: memory stays at the mono signal's size.
+DECODE_BLOCK_FRAMES = 1 << 18
+
+# openai-whisper's LANGUAGES keys, in token order (large-v3 adds "yue": 100 languages).
+LANGUAGE_CODES = (
+    "en zh de es ru ko fr ja pt tr pl ca nl ar sv it id hi fi vi he uk el ms cs ro da hu ta no th ur "
+    "hr bg lt la mi ml cy sk te fa lv bn sr az sl kn et mk br eu is hy ne mn bs kk sq sw gl mr pa si "
+    "km sn yo so af oc ka be tg sd gu am yi lo uz fo ht ps tk nn mt sa lb my bo tl mg as tt haw ln "
+    "ha ba jw su yue"
+).split()
+TASKS = ("transcribe", "translate")
+# What a request that names no language, task or max_new_tokens gets.
+DEFAULT_LANGUAGE = "en"
+DEFAULT_TASK = "transcribe"
+DEFAULT_MAX_NEW_TOKENS = 224
+
+# The parameters the builder writes into the Python models' config.pbtxt (the sources name none of
+# them): these constants are the one place each value lives (docs/design.md, "Change a limit").
+_AUDIO_LIMITS = {"max_audio_seconds": MAX_AUDIO_SECONDS, "max_audio_bytes": MAX_AUDIO_BYTES,
+                 "max_decoded_samples": MAX_DECODED_SAMPLES, "min_sample_rate": MIN_SAMPLE_RATE}
+_DECODE_DEFAULTS = {"default_language": DEFAULT_LANGUAGE, "default_task": DEFAULT_TASK,
+                    "max_new_tokens": DEFAULT_MAX_NEW_TOKENS}
+CONFIG_PARAMETERS = {
+    "audio_features": _AUDIO_LIMITS,
+    "whisper_decode": _DECODE_DEFAULTS,
+    "speech_recognition_stream": {**_DECODE_DEFAULTS, **_AUDIO_LIMITS},  # both steps in one model
+}

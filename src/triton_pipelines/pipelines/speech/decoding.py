@@ -1,0 +1,213 @@
+"""Whisper's greedy decoding loop.
+
+Greedy decoding (``GreedyDecoder``, token selection in ``GreedyBatch``) is the same loop in Triton
+(one BLS call to ``whisper_decoder`` per step) and in process (``WhisperOnnx.decode_windows``): every window starts from
+the prompt ``<|startoftranscript|><|lang|><|task|><|notimestamps|>``; each step feeds the new
+tokens and the self-attention cache (on the embedded target the decoder keeps that cache between
+steps, and the cross K/V: ``GreedyDecoder``'s ``cache_key``), takes the argmax over the text tokens plus
+``<|endoftext|>`` with Whisper's standard suppression (every other special token, the non-speech
+symbols, and a blank or ``<|endoftext|>`` as the first token: what openai-whisper, faster-whisper
+and transformers do by default), and a window leaves the batch at ``<|endoftext|>`` or after
+``max_new_tokens``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from triton_pipelines.errors import UpstreamError
+from triton_pipelines.pipelines.onnx_runner import NOT_CACHED
+from triton_pipelines.pipelines.speech.tokenizer import WhisperTokenizer
+
+
+@dataclass
+class GreedyBatch:
+    """Greedy token selection for a batch of windows that share one prompt length; the caller
+    owns the tensors (self-attention cache, cross K/V) and runs the decoder.
+
+    Each step: ``logits [rows, vocab]`` for the rows in ``active`` → ``advance`` appends each row's
+    argmax (special tokens other than ``<|endoftext|>`` suppressed) and returns the rows to keep
+    when some window finished (``<|endoftext|>`` or ``max_new_tokens``), else ``None``: the caller
+    then gathers those rows of its cache and cross K/V. With ``compact=False`` finished windows
+    stay in the batch (their tokens are ignored) and ``advance`` always returns ``None``: for a
+    device where gathering rows costs more than carrying them. ``begin_mask`` replaces ``mask``
+    for the first generated token (``WhisperTokenizer.suppress_masks``).
+    """
+
+    prompts: np.ndarray  # [N, prompt_length] int64
+    eot: int
+    max_new_tokens: int | np.ndarray  # one bound, or one per window
+    mask: np.ndarray  # [vocab] additive
+    compact: bool = True
+    begin_mask: np.ndarray | None = None
+    tokens: list[list[int]] = field(init=False)
+    active: np.ndarray = field(init=False)  # window index of each row
+    next_ids: np.ndarray = field(init=False)  # [rows, T] int64: the decoder's next input_ids
+    steps: int = field(init=False, default=0)
+
+    def __post_init__(self):
+        count = len(self.prompts)
+        self.tokens = [[] for _ in range(count)]
+        self.active = np.arange(count)
+        self._finished = np.zeros(count, dtype=bool)
+        self.next_ids = np.ascontiguousarray(self.prompts, dtype=np.int64)
+        self._bounds = np.broadcast_to(np.asarray(self.max_new_tokens, dtype=np.int64), (count,))
+        self._finished[self._bounds <= 0] = True
+
+    @property
+    def done(self) -> bool:
+        return bool(self._finished.all())
+
+    @property
+    def finished(self) -> np.ndarray:
+        """Per window: finished (``<|endoftext|>`` or its bound)."""
+        return self._finished
+
+    def stop(self, windows) -> None:
+        """Finish these windows now (their client has gone): they leave the batch at the next step."""
+        self._finished[list(windows)] = True
+
+    def history(self) -> np.ndarray:
+        """Every row's input so far, ``[rows, prompt + steps]``: its prompt and the tokens it
+        generated (the last one is its ``next_ids``), for a decoder that lost the row's
+        self-attention cache and computes it again from the start. A running row has generated one
+        token per step; a finished row still in the batch (``compact=False``, or stopped since the
+        last step) is padded with ``<|endoftext|>`` (its logits are ignored)."""
+        ids = []
+        for window in self.active:
+            generated = self.tokens[window]
+            if len(generated) != self.steps and not self._finished[window]:
+                raise RuntimeError(f"window {window} has {len(generated)} tokens after {self.steps} steps")
+            ids.append([*self.prompts[window], *generated, *[self.eot] * (self.steps - len(generated))])
+        return np.array(ids, dtype=np.int64)
+
+    def advance(self, logits: np.ndarray) -> np.ndarray | None:
+        mask = self.begin_mask if self.steps == 0 and self.begin_mask is not None else self.mask
+        chosen = np.argmax(logits + mask, axis=-1).astype(np.int64)
+        keep = []
+        for row, (window, token) in enumerate(zip(self.active, chosen)):
+            if self._finished[window]:
+                continue
+            token = int(token)
+            if token == self.eot:
+                self._finished[window] = True
+                continue
+            self.tokens[window].append(token)
+            if len(self.tokens[window]) >= self._bounds[window]:
+                self._finished[window] = True
+            else:
+                keep.append(row)
+        self.steps += 1
+        if not self.compact or len(keep) == len(self.active):
+            self.next_ids = chosen.reshape(-1, 1)
+            return None
+        rows = np.asarray(keep, dtype=np.int64)
+        self.active = self.active[rows]
+        self.next_ids = chosen[rows].reshape(-1, 1)
+        return rows
+
+
+def cross_names(layers: int) -> list[str]:
+    return [name for i in range(layers) for name in (f"cross_key_{i}", f"cross_value_{i}")]
+
+
+# One decoder step: (input_ids [rows, T], past_self_kv, cross K/V by name, request parameters) →
+# (logits [rows, vocab], present_self_kv) as numpy. The cross K/V are the caller's tensors
+# (numpy in process, Triton tensors in whisper_decode): the loop only hands them on. With an
+# ``input_cache_key`` in the parameters the decoder keeps the self-attention K/V: past_self_kv is
+# None where the step sends none (the decoder's own), and the step asks only for the logits
+# (present_self_kv: None).
+DecoderStep = Callable[[np.ndarray, np.ndarray | None, Mapping[str, Any], Mapping[str, str]],
+                       tuple[np.ndarray, np.ndarray | None]]
+# The given rows of cross K/V tensors, as tensors of the same kind.
+GatherRows = Callable[[Mapping[str, Any], np.ndarray], Mapping[str, Any]]
+
+
+def gather_arrays(arrays: Mapping[str, np.ndarray], rows: np.ndarray) -> dict[str, np.ndarray]:
+    return {name: np.ascontiguousarray(value[rows]) for name, value in arrays.items()}
+
+
+class GreedyDecoder:
+    """The greedy decoding loop over a KV-cached decoder step, shared by the Triton model
+    ``whisper_decode`` (each step a BLS call to ``whisper_decoder``) and the in-process reference
+    ``WhisperOnnx`` (each step an ONNX Runtime run): token selection is ``GreedyBatch``.
+
+    ``cache_key``: the decoder keeps the cross K/V and the self-attention K/V of the current group
+    under this key (the embedded target: ``onnx_runner.InputCache``, its state pair
+    ``past_self_kv=present_self_kv``). The first step sends the cross K/V and a zero-length
+    ``past_self_kv`` with the key; later steps send only ``input_ids``, the key and the windows
+    still running (request parameters ``input_cache_key`` and ``input_cache_rows``), and ask only
+    for the logits. A step that reaches a decoder instance without them (another instance, an
+    evicted slot, a restart: ``onnx_runner.NOT_CACHED`` in an ``UpstreamError``) starts the
+    running windows again: their cross K/V, a zero-length past and as ``input_ids`` each window's
+    prompt and the tokens it generated so far (``GreedyBatch.history``; the decoder returns the
+    logits of the last position whatever the input length). Without a key (the gpu target) every
+    step sends the cross K/V of the running windows and the self-attention K/V, and gets the
+    new self-attention K/V back."""
+
+    def __init__(self, tokenizer: WhisperTokenizer, vocab_size: int, step: DecoderStep,
+                 gather: GatherRows = gather_arrays, cache_key: str | None = None):
+        self.eot = tokenizer.eot
+        self.mask, self.begin_mask = tokenizer.suppress_masks(vocab_size)
+        self.step = step
+        self.gather = gather
+        self.cache_key = cache_key
+
+    def decode(self, prompts: np.ndarray, max_new_tokens: int | np.ndarray, cross: Mapping[str, Any],
+               heads: int, head_dim: int, compact: bool = True,
+               on_step: Callable[["GreedyBatch"], None] | None = None) -> list[list[int]]:
+        """``prompts [N, 4]`` and the encoder's cross K/V of those N windows → generated ids per
+        window. ``compact=False``: finished windows stay in the batch (``GreedyBatch``), for cross
+        K/V whose rows cannot be gathered here (on a GPU). ``on_step(state)``: after every step
+        (``state.tokens`` so far, ``state.finished``), e.g. to stream partial transcripts."""
+        state = GreedyBatch(prompts, self.eot, max_new_tokens, self.mask, compact=compact, begin_mask=self.begin_mask)
+
+        def empty_past(rows: int) -> np.ndarray:  # [rows, 2 * layers, heads, 0, head_dim]
+            return np.zeros((rows, len(cross), heads, 0, head_dim), np.float32)
+
+        past: np.ndarray | None = empty_past(len(prompts))  # first step: zero-length self-attention cache
+        sent = cross  # first step: the tensors themselves (a caching decoder stores them)
+        while not state.done:
+            if self.cache_key is None:
+                logits, present = self.step(state.next_ids, past, sent, {})
+            else:
+                parameters = {"input_cache_key": self.cache_key,
+                              "input_cache_rows": ",".join(str(w) for w in state.active)}
+                try:
+                    logits, _ = self.step(state.next_ids, past, sent, parameters)
+                except UpstreamError as error:
+                    if NOT_CACHED not in str(error):
+                        raise
+                    logits, _ = self.step(state.history(), empty_past(len(state.active)),
+                                          self.gather(cross, state.active), parameters)
+            rows = state.advance(logits)
+            if on_step is not None:
+                on_step(state)
+            if self.cache_key is not None:  # the decoder keeps both K/V: later steps send neither
+                past, sent = None, {}
+                continue
+            past = present if rows is None else present[rows]
+            if rows is not None:
+                sent = self.gather(sent, rows)
+        return state.tokens
+
+
+@dataclass(frozen=True)
+class DecoderShape:
+    layers: int
+    heads: int
+    head_dim: int
+    vocab_size: int
+    n_mels: int
+
+    @classmethod
+    def from_sessions(cls, encoder, decoder) -> "DecoderShape":
+        """Read the architecture from the ONNX graphs' static dims."""
+        inputs = {i.name: i.shape for i in decoder.get_inputs()}
+        layers = sum(1 for name in inputs if name.startswith("cross_key_"))
+        _, heads, head_dim, _ = inputs["cross_key_0"]
+        vocab = decoder.get_outputs()[0].shape[1]
+        n_mels = encoder.get_inputs()[0].shape[1]
+        return cls(layers, int(heads), int(head_dim), int(vocab), int(n_mels))

@@ -1,0 +1,45 @@
+"""The in-process reference: Whisper's encoder and decoder ONNX graphs in ONNX Runtime, decoded by
+the same greedy loop as Triton (``decoding.GreedyDecoder``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Mapping
+
+import numpy as np
+
+from triton_pipelines.pipelines.onnx_runner import onnx_session
+from triton_pipelines.pipelines.speech.decoding import DecoderShape, GreedyDecoder, cross_names
+from triton_pipelines.pipelines.speech.tokenizer import WhisperTokenizer
+
+
+class WhisperOnnx:
+    """In-process reference: the same two ONNX graphs in ONNX Runtime, same greedy state machine.
+    Used by the tests (token equality with Triton) and by the benchmark's baseline."""
+
+    def __init__(self, encoder_onnx: Path | str, decoder_onnx: Path | str, intra_op_threads: int = 0):
+        self.encoder = onnx_session(encoder_onnx, intra_op_threads)
+        self.decoder = onnx_session(decoder_onnx, intra_op_threads)
+        self.shape = DecoderShape.from_sessions(self.encoder, self.decoder)
+        self.cross_names = cross_names(self.shape.layers)
+
+    def encode(self, features: np.ndarray) -> dict[str, np.ndarray]:
+        outputs = self.encoder.run(self.cross_names, {"input_features": features.astype(np.float32)})
+        return dict(zip(self.cross_names, outputs))
+
+    def decode_windows(self, features: np.ndarray, prompts: np.ndarray, tokenizer: WhisperTokenizer,
+                       max_new_tokens: int | np.ndarray) -> list[list[int]]:
+        """``features [N, n_mels, 3000]`` and ``prompts [N, 4]`` → generated ids per window."""
+        return self.decode_encoded(self.encode(features), prompts, tokenizer, max_new_tokens)
+
+    def decode_encoded(self, cross: dict[str, np.ndarray], prompts: np.ndarray, tokenizer: WhisperTokenizer,
+                       max_new_tokens: int | np.ndarray) -> list[list[int]]:
+        """Greedy decoding from the encoder's cross K/V (``encode``)."""
+        decoder = GreedyDecoder(tokenizer, self.shape.vocab_size, self.step)
+        return decoder.decode(prompts, max_new_tokens, cross, self.shape.heads, self.shape.head_dim)
+
+    def step(self, input_ids: np.ndarray, past: np.ndarray, cross: Mapping[str, np.ndarray],
+             parameters: Mapping[str, str]) -> tuple[np.ndarray, np.ndarray]:
+        logits, present = self.decoder.run(["logits", "present_self_kv"],
+                                           {"input_ids": input_ids, "past_self_kv": past, **cross})
+        return logits, present
