@@ -15,6 +15,8 @@ from __future__ import annotations
 import importlib
 import sys
 
+from triton_pipelines.errors import ConfigError
+
 # command → (module with a ``main(argv)``, what it does); one table for the CLI and its help.
 COMMANDS = {
     "serve": ("triton_pipelines.server.launcher", "run tritonserver behind nginx, supervised"),
@@ -43,7 +45,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     module = importlib.import_module(COMMANDS[command][0])
     sys.argv = [f"python -m triton_pipelines {command}", *rest]
-    return module.main(rest) or 0
+    try:
+        return module.main(rest) or 0
+    except ConfigError as error:  # a file, flag or variable that breaks a rule: one line, no traceback
+        print(f"python -m triton_pipelines {command}: error: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -19,6 +19,12 @@ class InputError(ValueError):
     """The request's input is invalid; the message names the input and the problem."""
 
 
+class ConfigError(ValueError):
+    """A configuration file, flag or environment variable that breaks a rule. The message names the
+    file (or variable), the entry and the rule, in one line: the CLI prints it without a traceback and
+    exits 2 (``__main__``)."""
+
+
 class UpstreamError(RuntimeError):
     """A model called through BLS answered with an error; the message names the model."""
 

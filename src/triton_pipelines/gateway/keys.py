@@ -27,6 +27,8 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
+from triton_pipelines.errors import ConfigError
+
 KEYS_FILE_ENV = "TRITON_API_KEYS_FILE"
 # The request screen resolves a router request's `Authorization: Bearer <key>` and forwards only
 # this header, the key's id, which tritonserver (--http/grpc-header-forward-pattern) hands the
@@ -42,7 +44,7 @@ _PERIOD_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 _FIELDS = {"key", "name", "max_budget_usd", "budget_period", "soft_budget_usd", "rpm", "tpm", "models"}
 
 
-class KeysFileError(ValueError):
+class KeysFileError(ConfigError):
     """The keys file is malformed; the message names the entry (by index and name) and the field."""
 
 

@@ -19,10 +19,17 @@ from triton_pipelines.limits import SELF_HOSTED_DEADLINE_S, TEXT_MAX_BATCH
 # versions are 2, 3, ...).
 from triton_pipelines.repository.contract import STABLE_VERSION
 
+from triton_pipelines.errors import ConfigError
+
 TIERS = ("cheapest", "balanced", "best")
 
 
 # ----------------------------------------------------------------------------------- route table
+class RoutesFileError(ConfigError):
+    """data/routes.yaml (or a canary split file) breaks a rule of its schema; the message names the
+    file, the entry and the rule."""
+
+
 @dataclass(frozen=True)
 class Price:
     input_per_million: Decimal
@@ -110,7 +117,20 @@ class RouteTable:
     def load(cls, path: Path | str) -> "RouteTable":
         import yaml
 
-        return cls.from_document(yaml.safe_load(Path(path).read_text(encoding="utf-8")), source=str(path))
+        try:
+            document = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as error:
+            mark = getattr(error, "problem_mark", None)
+            where = f" (line {mark.line + 1})" if mark is not None else ""
+            raise RoutesFileError(f"{path}: not a readable YAML file{where}: {type(error).__name__}") from None
+        try:
+            return cls.from_document(document, source=str(path))
+        except RoutesFileError:
+            raise
+        except KeyError as error:
+            raise RoutesFileError(f"{path}: an entry lacks its field {error}") from None
+        except (TypeError, AttributeError, ValueError, ArithmeticError) as error:
+            raise RoutesFileError(f"{path}: an entry has the wrong shape ({type(error).__name__}: {error})") from None
 
     @classmethod
     def from_document(cls, document: Mapping[str, Any], source: str = "routes") -> "RouteTable":
@@ -132,9 +152,9 @@ class RouteTable:
                                   canary=str(spec.get("canary") or ""), deadline_s=_deadline(spec, task, source))
                 bad = {k: v for k, v in entry.inputs.items() if v not in ("text", "base64")}
                 if bad or not entry.inputs or not entry.outputs:
-                    raise ValueError(f"{source}: task {task} needs inputs (text|base64) and outputs; got {spec}")
+                    raise RoutesFileError(f"{source}: task {task} needs inputs (text|base64) and outputs; got {spec}")
                 if entry.canary and entry.canary not in canaries:
-                    raise ValueError(f"{source}: task {task} names canary {entry.canary!r}, not under canaries")
+                    raise RoutesFileError(f"{source}: task {task} names canary {entry.canary!r}, not under canaries")
             elif route == "gateway":
                 models = tuple(str(m) for m in spec.get("models") or ())
                 entry = TaskRoute(task, route, models=models, default_model=str(spec.get("default_model") or models[0]),
@@ -142,14 +162,14 @@ class RouteTable:
                                   fallbacks=tuple(str(m) for m in spec.get("fallbacks") or ()))
                 unpriced = [m for m in models if m not in prices]
                 if not models or unpriced or entry.default_model not in models:
-                    raise ValueError(f"{source}: task {task}: models {list(models)} need prices "
+                    raise RoutesFileError(f"{source}: task {task}: models {list(models)} need prices "
                                      f"(missing {unpriced}) and default_model among them")
                 outside = [m for m in entry.fallbacks if m not in models]
                 if outside:
-                    raise ValueError(f"{source}: task {task}: fallbacks {outside} are not among its models "
+                    raise RoutesFileError(f"{source}: task {task}: fallbacks {outside} are not among its models "
                                      f"{list(models)}")
             else:
-                raise ValueError(f"{source}: task {task}: route must be 'triton' or 'gateway', not {route!r}")
+                raise RoutesFileError(f"{source}: task {task}: route must be 'triton' or 'gateway', not {route!r}")
             tasks[str(task)] = entry
         gateway = GatewaySettings(**(document.get("gateway") or {}))
         gateway_models = _gateway_models(document.get("gateway_models") or {}, prices, source)
@@ -199,14 +219,14 @@ def _gateway_models(section: Mapping[str, Any], prices: Mapping[str, Price], sou
     for name, spec in section.items():
         name = str(name)
         if name not in prices:
-            raise ValueError(f"{source}: gateway_models.{name} has no price under prices")
+            raise RoutesFileError(f"{source}: gateway_models.{name} has no price under prices")
         window = (spec or {}).get("context_window")
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ValueError(f"{source}: gateway_models.{name}.context_window must be a whole number of tokens")
+            raise RoutesFileError(f"{source}: gateway_models.{name}.context_window must be a whole number of tokens")
         fallbacks = tuple(str(m) for m in (spec or {}).get("fallbacks") or ())
         unknown = [m for m in fallbacks if m not in prices or m == name]
         if unknown:
-            raise ValueError(f"{source}: gateway_models.{name}.fallbacks {unknown} must be other priced models")
+            raise RoutesFileError(f"{source}: gateway_models.{name}.fallbacks {unknown} must be other priced models")
         models[name] = GatewayModel(name, window, fallbacks)
     return models
 
@@ -216,7 +236,7 @@ def _deadline(spec: Mapping[str, Any], task: str, source: str) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise ValueError(f"{source}: task {task}: deadline_s must be a positive number of seconds, not {value!r}")
+        raise RoutesFileError(f"{source}: task {task}: deadline_s must be a positive number of seconds, not {value!r}")
     return float(value)
 
 
@@ -226,10 +246,10 @@ def validate_split(split: Mapping[Any, Any], versions: tuple[int, ...], where: s
     try:
         parsed = {int(v): float(s) for v, s in split.items()}
     except (TypeError, ValueError, AttributeError):
-        raise ValueError(f"{where}: split must map version numbers to shares, got {split!r}") from None
+        raise RoutesFileError(f"{where}: split must map version numbers to shares, got {split!r}") from None
     unknown = sorted(set(parsed) - set(versions))
     if unknown or any(s < 0 for s in parsed.values()) or sum(parsed.values()) <= 0:
-        raise ValueError(f"{where}: split {split!r} needs versions among {list(versions)} "
+        raise RoutesFileError(f"{where}: split {split!r} needs versions among {list(versions)} "
                          f"and non-negative shares with a positive sum")
     return parsed
 

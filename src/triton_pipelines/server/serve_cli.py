@@ -11,21 +11,43 @@ import argparse
 import os
 from pathlib import Path
 
+from triton_pipelines.errors import ConfigError
 from triton_pipelines.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_JSON_BYTES
 from triton_pipelines.repository.backends import models_to_load
+from triton_pipelines.repository.routes import RouteTable
 from triton_pipelines.server.state import STATE_ENV, resolve_state_dir
 from triton_pipelines.server.tritonserver import (DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, DEFAULT_METRICS_PORT, LOOPBACK,
                                                   ServerOptions)
 
 
-def _optional_int(text: str | None) -> int | None:
-    return int(text) if text not in (None, "") else None
+def _env_int(name: str, default: int | None) -> int | None:
+    """``$name`` as a whole number, ``default`` when unset or empty; ConfigError naming it otherwise."""
+    text = os.environ.get(name, "")
+    if text == "":
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"${name}={text!r} must be a whole number") from None
 
 
 def _port(flag_value: int | None, env_name: str, default: int) -> int:
     if flag_value is not None:
         return flag_value
-    return int(os.environ.get(env_name, default))
+    return _env_int(env_name, default)
+
+
+def check_repository(repository: Path, models: list[str] | None) -> None:
+    """What the server would otherwise fail on after starting: a ``--load-model`` name the repository
+    lacks, and the router's route table (the /v1 frontend reads it too)."""
+    if models:
+        missing = sorted(name for name in models if not (repository / name / "config.pbtxt").is_file())
+        if missing:
+            known = sorted(p.parent.name for p in repository.glob("*/config.pbtxt"))
+            raise ConfigError(f"--load-model {', '.join(missing)}: not in {repository} (its models: {', '.join(known)})")
+    routes = repository / "router" / "1" / "routes.yaml"
+    if routes.is_file() and (models is None or "router" in models):
+        RouteTable.load(routes)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,11 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="largest request accepted on the public ports (HTTP body or gRPC message)")
     parser.add_argument("--max-json-bytes", type=int, default=DEFAULT_MAX_JSON_BYTES,
                         help="largest JSON part of an HTTP request (Triton 2.51 crashes on large JSON)")
-    parser.add_argument("--max-inflight", type=int, default=int(os.environ.get("TRITON_MAX_INFLIGHT", DEFAULT_MAX_INFLIGHT)),
+    parser.add_argument("--max-inflight", type=int, default=_env_int("TRITON_MAX_INFLIGHT", DEFAULT_MAX_INFLIGHT),
                         help="inference requests in flight on the public ports together; more are refused at once "
                              f"with 503 / UNAVAILABLE (default $TRITON_MAX_INFLIGHT or {DEFAULT_MAX_INFLIGHT})")
     parser.add_argument("--max-inflight-per-client", type=int,
-                        default=_optional_int(os.environ.get("TRITON_MAX_INFLIGHT_PER_CLIENT")),
+                        default=_env_int("TRITON_MAX_INFLIGHT_PER_CLIENT", None),
                         help="one client address's share of --max-inflight; more from it are refused first "
                              "(default $TRITON_MAX_INFLIGHT_PER_CLIENT or half of --max-inflight; 0: no share). "
                              "Behind a load balancer or NAT every client has its address: raise it or use 0")
@@ -61,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the server's backends; default (embedded): a temporary folder laid out from the wheel")
     parser.add_argument("--exit-timeout-secs", type=int, default=30)
     parser.add_argument("--log-verbose", type=int, default=0)
-    parser.add_argument("--replicas", type=int, default=int(os.environ.get("TRITON_REPLICAS", 1)),
+    parser.add_argument("--replicas", type=int, default=_env_int("TRITON_REPLICAS", 1),
                         help="tritonserver processes behind the one public front, round robin "
                              "(default $TRITON_REPLICAS or 1)")
     parser.add_argument("--load-model", action="append", dest="models", metavar="NAME",
@@ -107,6 +129,7 @@ def parse_options(argv: list[str] | None = None) -> ServerOptions:
         warm_pipelines=not args.no_pipeline_warmup,
         extra_args=args.extra_args,
     )
+    check_repository(options.model_repository, options.models)
     if options.models is None and options.backend_dir is not None:
         options.models = models_to_load(options.model_repository, options.backend_dir)  # backends.py
     return options
