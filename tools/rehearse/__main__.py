@@ -138,6 +138,26 @@ class Rehearsal:
         return (f"built {', '.join(built)}" if built else "all cached") + \
             f" ({PYTHON_IMAGE}, {TRITON_IMAGE}, {PROMETHEUS_IMAGE}) in {time.monotonic() - started:.0f} s"
 
+    def step_container_names(self) -> str:
+        """Containers on one network resolve each other's names, as compose's services do
+        (``triton:8002`` for Prometheus): podman 4.3's CNI networks need the dnsname plugin for it."""
+        network = f"rehearse-names-{os.getpid()}"
+        peer = f"{network}-peer"
+        self.podman("network", "create", network, capture=True)
+        try:
+            self.podman("run", "-d", "--rm", "--name", peer, "--network", network, PYTHON_IMAGE,
+                        "python3", "-c", "import time; time.sleep(120)", capture=True)
+            found = self.podman("run", "--rm", "--network", network, PYTHON_IMAGE, "python3", "-c",
+                                f"import socket; print(socket.gethostbyname({peer!r}))", check=False, capture=True)
+            if found.returncode:
+                raise RuntimeError("a container on a podman network cannot resolve its peer's name (compose's "
+                                   "triton:8002): podman 4.3's CNI needs Debian's "
+                                   "golang-github-containernetworking-plugin-dnsname")
+            return f"a container resolves its peer's name on a podman network ({found.stdout.decode().strip()})"
+        finally:
+            self.podman("rm", "-f", peer, check=False, capture=True)
+            self.podman("network", "rm", "-f", network, check=False, capture=True)
+
     def step_build_targets(self) -> str:
         times = []
         for target, name in TARGET_IMAGES.items():
@@ -210,7 +230,8 @@ class Rehearsal:
         from tools.rehearse import steps as rehearse_steps
 
         steps = [("podman", self.step_podman), ("stand-in images", self.step_standins),
-                 ("build images", self.step_build_targets), *rehearse_steps.steps(self)]
+                 ("container names", self.step_container_names), ("build images", self.step_build_targets),
+                 *rehearse_steps.steps(self)]
         try:
             failed_at = None
             for name, function in steps:

@@ -131,8 +131,9 @@ def test_a_failed_step_fails_the_rehearsal_and_only_the_clean_up_runs_after_it(t
     r = rehearsal.Rehearsal(rehearse.ROOT, tmp_path, tmp_path / "log")
     monkeypatch.setattr(r, "step_podman", step("podman"))
     monkeypatch.setattr(r, "step_standins", step("standins"))
+    monkeypatch.setattr(r, "step_container_names", step("names"))
     monkeypatch.setattr(r, "step_build_targets", step("build"))
     assert r.run_all() == 1
-    assert ran == ["podman", "standins", "build", "up", "clean"]
+    assert ran == ["podman", "standins", "names", "build", "up", "clean"]
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("rehearse: [")]
-    assert len(lines) == 5 and lines[3].startswith("rehearse: [FAIL] cpu: compose up") and "up broke" in lines[3]
+    assert len(lines) == 6 and lines[4].startswith("rehearse: [FAIL] cpu: compose up") and "up broke" in lines[4]
