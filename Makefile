@@ -44,8 +44,8 @@ serve: repository
 test: repository prometheus-tools
 	$(PY) -m pytest -ra
 
-# The fast subset: every test that starts or uses no server (tests/conftest.py marks the others
-# `server`), less the few marked `slow` (pip resolution, checkpoint exports, planner builds).
+# The fast subset: every test outside tests/server/ (a server test elsewhere is a collection error,
+# tests/conftest.py), less the few marked `slow` (pip resolution, checkpoint exports, planner builds).
 # Measured on 2 cores, 2026-12-02 (load average 1.2): 620 tests in 72 s. `make test` runs everything.
 test-unit: repository prometheus-tools
 	$(PY) -m pytest -ra -q -m "not server and not slow"
