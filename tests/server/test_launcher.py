@@ -276,3 +276,45 @@ def test_cli_serves_on_environment_ports_and_stops_cleanly_on_ctrl_c():
     # saw the Ctrl-C itself.
     assert "successfully unloaded 'text_tokenizer'" in server_log
     assert "Signal (15) received" in server_log and "Signal (2) received" not in server_log
+
+
+def test_a_killed_nginx_master_leaves_no_worker_holding_the_ports(tmp_path):
+    """kill -9 of nginx's master leaves its workers running, on the old configuration, holding the
+    public ports: a restart must reap them, or every new master fails to bind (issue 33 §3)."""
+    import signal
+    import urllib.error
+    import urllib.request
+
+    from triton_pipelines.server.processes import group_pids
+
+    class Upstream(FakeUpstream):
+        def do_GET(self):
+            self.answer(b"ok")
+
+    def ready(url: str, timeout_s: float = 10) -> int:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return urllib.request.urlopen(url, timeout=5).status
+            except (urllib.error.URLError, ConnectionError):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    proxy, upstream, http_port = proxy_in_front_of(Upstream, tmp_path / "proxy")
+    try:
+        url = f"http://127.0.0.1:{http_port}/v2/health/ready"
+        assert ready(url) == 200
+        old_master = proxy.process.pid
+        workers = [pid for pid in group_pids(old_master) if pid != old_master]
+        assert workers, "nginx runs workers in its master's process group"
+        os.kill(old_master, signal.SIGKILL)
+        proxy.process.wait()
+        assert all(pid in group_pids(old_master) for pid in workers)  # orphaned, still holding the ports
+        proxy.restart()
+        assert not group_pids(old_master), "a worker of the killed master is still running"
+        assert ready(url) == 200
+        assert proxy.alive(), "the new master could not start (the ports still held?)"
+    finally:
+        proxy.stop()
+        upstream.shutdown()

@@ -13,12 +13,13 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 from triton_pipelines.front.nginx_config import ProxyConfig, render_config
-from triton_pipelines.server.processes import child_pids, spawn
+from triton_pipelines.server.processes import child_pids, kill_process_group, spawn
 
 
 def nginx_binary() -> str:
@@ -126,3 +127,10 @@ class ProxyProcess:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        # The master leads its own process group (start_new_session): workers that outlived it (a
+        # master killed with SIGKILL) would hold the public ports on the old configuration and make
+        # every restart fail to bind.
+        left = kill_process_group(self.process.pid)
+        if left:
+            print(f"[nginx] killed {left} worker(s) left by the old master (pid {self.process.pid})",
+                  file=sys.stderr, flush=True)

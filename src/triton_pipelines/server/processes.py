@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -123,6 +124,38 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def group_pids(pgid: int) -> list[int]:
+    """Live (not zombie) processes of process group ``pgid``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == pgid and fields[0] != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def kill_process_group(pgid: int, timeout_s: float = 5.0) -> int:
+    """SIGKILL what is left of process group ``pgid`` (a session leader's children that outlived it,
+    e.g. nginx's workers after their master was killed, still holding its ports) and wait until none
+    is running. Returns how many were left."""
+    left = group_pids(pgid)
+    if not left:
+        return 0
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        return 0
+    deadline = time.monotonic() + timeout_s
+    while group_pids(pgid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return len(left)
 
 
 def child_pids(pid: int) -> list[int]:
