@@ -44,6 +44,25 @@ def decode_utf8(item: Any, where: str) -> str:
         raise InputError(f"{where} is not valid UTF-8 (byte 0x{data[error.start]:02x} at offset {error.start})") from None
 
 
+def check_encodable(value: Any, where: str) -> None:
+    """Every string in a JSON value (chat messages, tool definitions) encodes as UTF-8, or InputError
+    naming where: JSON may carry a lone surrogate (``"\\ud800"``) that no upstream can be sent. A
+    client's own error, found before any model is tried (it must not count against a model)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as error:
+            raise InputError(f"{where} holds a lone surrogate (U+{ord(value[error.start]):04X} at character "
+                             f"{error.start}): not encodable as UTF-8") from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_encodable(key, f"{where} (a key)")
+            check_encodable(item, f"{where}.{key}")
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            check_encodable(item, f"{where}[{index}]")
+
+
 # ------------------------------------------------------------------------------ failure reasons
 class RouteError(Exception):
     """A request that could not be served; ``reason`` is the metric label (``failures_total``).

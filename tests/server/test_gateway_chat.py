@@ -253,3 +253,21 @@ def test_a_client_that_leaves_a_call_does_not_cancel_it_and_it_is_settled_at_its
         assert time.monotonic() < deadline, row
         time.sleep(0.2)
     assert (row["status"], row["cost_nusd"]) == ("success", 11 * 420 + 7 * 1680)  # not its reservation
+
+
+def test_a_message_that_cannot_be_encoded_is_a_400_and_opens_no_circuit(server, gateway):
+    """A lone surrogate in `content` (valid JSON) is the client's error: 400 before any model is
+    tried, so more of them than the circuit's failure threshold (50 here) leave every model closed
+    for a neighbour's chat (issue 33 §3)."""
+    bad = [{"role": "user", "content": "hi \ud800"}]
+    open_key = client(server, "open")
+    for _ in range(GATEWAY["circuit_failure_threshold"] + 5):
+        with pytest.raises(openai.BadRequestError) as refused:
+            open_key.chat.completions.create(model="gpt-4.1", messages=bad, max_tokens=5)
+        assert "lone surrogate" in refused.value.message
+    assert gateway.requests == []  # no model was tried
+    status, _, body = http_route(server.http_url, "code_generation",
+                                 {"text": "hi \ud800", "max_tokens": 5}, secret=SECRETS["open"])
+    assert status == 400 and "lone surrogate" in body["error"]
+    answer = client(server, "narrow").chat.completions.create(model="gemini-2.5-flash", messages=HI, max_tokens=5)
+    assert answer.model == "gemini-2.5-flash"

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import AsyncIterator, Callable, Iterator, Mapping
 
 from triton_pipelines.gateway.keys import ApiKey, KeyRing, keys_from_environment
-from triton_pipelines.errors import InputError, RouteError
+from triton_pipelines.errors import InputError, RouteError, check_encodable
 from triton_pipelines.gateway.upstream import MIN_ATTEMPT_S, GatewayClient
 from triton_pipelines.repository.routes import RoutedRequest, RouteTable, choose_model, estimate_prompt_tokens
 from triton_pipelines.gateway.ledger import KeyLimits, SpendLedger, call_cost_nusd, usd
@@ -238,6 +238,7 @@ class GatewayService:
     def _plan(self, api_key: ApiKey | None, messages: list[dict], task: str | None, model: str | None,
               max_tokens: int | None, tier: str | None, deadline_s: float | None, request_id: str | None) -> Plan:
         """Who may call which models, within which deadline, reserving how many tokens."""
+        check_encodable(messages, "messages")
         requested = self._resolve(task, model, tier)
         self.access.check(api_key, requested)
         settings = self.table.gateway

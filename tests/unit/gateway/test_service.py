@@ -226,3 +226,21 @@ def test_stream_refusals_raise_before_any_chunk(fake, tmp_path):
         next(gateway.stream(gateway.authenticate(f"Bearer {SECRET_A}"), model="gpt-4.1", messages=MESSAGES))
     assert refused.value.status == 403
     gateway.close()
+
+
+def test_a_message_that_cannot_be_encoded_is_the_clients_error_not_the_models(fake, tmp_path):
+    """A lone surrogate in a message (valid JSON, not encodable as UTF-8) is a 400 before any model
+    is tried: no upstream call, no failure counted against the models, so a few such requests from
+    one client cannot open the circuits for everyone (issue 33 §3)."""
+    from triton_pipelines.errors import InputError
+
+    gateway, recorder = service(fake, tmp_path)
+    bad = [{"role": "user", "content": [{"type": "text", "text": "hi \ud800 there"}]}]
+    for _ in range(5):  # circuit_failure_threshold is 2
+        with pytest.raises(InputError, match=r"messages\[0\]\.content\[0\]\.text holds a lone surrogate"):
+            gateway.complete(None, model="gpt-4.1", messages=bad)
+    assert fake.requests == [] and not [e for e in recorder.events if e[0] in ("failure", "cooldown")]
+    assert gateway.ledger.rows() == []
+    answer = gateway.complete(None, model="gpt-4.1", messages=MESSAGES)
+    assert (answer.model, answer.fallback_reason) == ("gpt-4.1", None)
+    gateway.close()
