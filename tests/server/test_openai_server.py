@@ -596,6 +596,9 @@ def test_a_killed_frontend_is_restarted(server, client):
     assert server.openai.process.pid != old
     metrics = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
     assert "launcher_openai_frontend_restarts_total 1" in metrics
+    with urllib.request.urlopen(f"http://{server.http_url}/v1/health", timeout=10) as health:
+        assert (health.status, json.loads(health.read())) == (200, {"status": "ok"})  # /v1's own health
+
 
 
 # ------------------------------------------------------------------------------------ README

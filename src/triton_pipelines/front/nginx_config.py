@@ -131,6 +131,9 @@ MESSAGES = {
     "not_found": "not found",
     "method": "method not allowed",
     "unavailable": "the inference server is starting or restarting: retry shortly",
+    # /v1 has its own process: when it is down, say so (the native /v2 API is not affected)
+    "openai_unavailable": "the OpenAI-compatible /v1 frontend is starting or restarting: retry shortly "
+                          "(the native /v2 API is not affected; GET /v1/health tells when /v1 is back)",
     "overloaded": "the server is at its limit of {max_inflight} inference requests in flight: retry shortly",
     # gRPC has one overload answer for both counts (HTTP tells them apart, below)
     "grpc_overloaded": "the server is at its limit of {max_inflight} inference requests in flight: retry shortly",
@@ -182,7 +185,7 @@ def messages(config: ProxyConfig) -> dict[str, str]:
 OPENAI_ERRORS = {"too_large": ("too_large", "invalid_request_error", "request_too_large"),
                  "client_overloaded": ("client_overloaded", "rate_limit_error", "rate_limit_exceeded"),
                  "overloaded": ("overloaded", "rate_limit_error", "rate_limit_exceeded"),
-                 "unavailable": ("unavailable", "server_error", "service_unavailable")}
+                 "unavailable": ("openai_unavailable", "server_error", "service_unavailable")}
 
 
 def _openai_error(message: str, kind: str, code: str) -> str:

@@ -46,6 +46,7 @@ class Frontend:
         app.router.add_post("/v1/chat/completions", self.chat.chat_completions)
         app.router.add_get("/metrics", self.metrics_page)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/v1/health", self.health)  # through the public port: is /v1 up (docs/openai.md)
         return app
 
     async def middleware(self, app, handler):

@@ -57,13 +57,14 @@ def test_the_template_ships_in_the_package():
 
 
 def test_every_template_field_is_filled_and_every_message_is_used():
-    from triton_pipelines.front.nginx_config import HTTP_MESSAGES, MESSAGES, TEMPLATE, NginxTemplate
+    from triton_pipelines.front.nginx_config import HTTP_MESSAGES, MESSAGES, OPENAI_ERRORS, TEMPLATE, NginxTemplate
 
     text = TEMPLATE.read_text()
     fields = {m.group("named") or m.group("braced") for m in NginxTemplate.pattern.finditer(text)}
     rendered = render_config(config(max_inflight_per_client=1))
     assert "%%" not in rendered
     used = {f[len("json_"):] if f.startswith("json_") and f[len("json_"):] in HTTP_MESSAGES else f for f in fields}
+    used |= {OPENAI_ERRORS[f[len("openai_error_"):]][0] for f in fields if f.startswith("openai_error_")}
     assert set(MESSAGES) - used == {"grpc_overloaded_per_client"}  # chosen as grpc_overloaded
 
 
@@ -74,3 +75,14 @@ def test_the_body_limit_is_the_largest_legal_input():
     from triton_pipelines.limits import MAX_AUDIO_BYTES
 
     assert DEFAULT_MAX_BODY_BYTES == MAX_AUDIO_BYTES
+
+
+def test_a_down_v1_frontend_is_named_as_such():
+    """When the /v1 frontend is down nginx answers /v1 (and /v1/health) with a 503 in OpenAI's shape
+    that names it, not the inference server: the native API is still up (issue 33 §3)."""
+    from triton_pipelines.front.nginx_config import MESSAGES
+
+    text = render_config(config())
+    for unavailable in text.split("location @openai_unavailable")[1:]:
+        assert MESSAGES["openai_unavailable"] in unavailable.split("}", 2)[0] + "}"
+    assert "/v1 frontend" in MESSAGES["openai_unavailable"]
