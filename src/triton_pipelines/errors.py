@@ -45,22 +45,24 @@ def decode_utf8(item: Any, where: str) -> str:
 
 
 def check_encodable(value: Any, where: str) -> None:
-    """Every string in a JSON value (chat messages, tool definitions) encodes as UTF-8, or InputError
-    naming where: JSON may carry a lone surrogate (``"\\ud800"``) that no upstream can be sent. A
-    client's own error, found before any model is tried (it must not count against a model)."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as error:
-            raise InputError(f"{where} holds a lone surrogate (U+{ord(value[error.start]):04X} at character "
-                             f"{error.start}): not encodable as UTF-8") from None
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            check_encodable(key, f"{where} (a key)")
-            check_encodable(item, f"{where}.{key}")
-    elif isinstance(value, (list, tuple)):
-        for index, item in enumerate(value):
-            check_encodable(item, f"{where}[{index}]")
+    """Every string of a JSON value (keys too) encodes as UTF-8, or InputError naming where: JSON may
+    carry a lone surrogate (``"\\ud800"``) that no model or upstream can be sent. A client's own
+    error, found before any model is tried. Iterative, so depth costs no recursion."""
+    stack = [(value, where)]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as error:
+                raise InputError(f"{path} holds a lone UTF-16 surrogate ({item[error.start]!a} at "
+                                 f"index {error.start}): not valid Unicode text") from None
+        elif isinstance(item, dict):
+            for key, child in item.items():
+                stack.append((key, f"{path} key"))
+                stack.append((child, f"{path}.{key}" if isinstance(key, str) and key.isidentifier() else path))
+        elif isinstance(item, (list, tuple)):
+            stack.extend((child, f"{path}[{i}]") for i, child in enumerate(item))
 
 
 # ------------------------------------------------------------------------------ failure reasons

@@ -264,10 +264,10 @@ def test_a_message_that_cannot_be_encoded_is_a_400_and_opens_no_circuit(server, 
     for _ in range(GATEWAY["circuit_failure_threshold"] + 5):
         with pytest.raises(openai.BadRequestError) as refused:
             open_key.chat.completions.create(model="gpt-4.1", messages=bad, max_tokens=5)
-        assert "lone surrogate" in refused.value.message
+        assert "lone UTF-16 surrogate" in refused.value.message
     assert gateway.requests == []  # no model was tried
     status, _, body = http_route(server.http_url, "code_generation",
                                  {"text": "hi \ud800", "max_tokens": 5}, secret=SECRETS["open"])
-    assert status == 400 and "lone surrogate" in body["error"]
+    assert status == 400 and "lone UTF-16 surrogate" in body["error"]
     answer = client(server, "narrow").chat.completions.create(model="gemini-2.5-flash", messages=HI, max_tokens=5)
     assert answer.model == "gemini-2.5-flash"

@@ -126,19 +126,20 @@ def _alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def group_pids(pgid: int) -> list[int]:
-    """Live (not zombie) processes of process group ``pgid``."""
-    found = []
+def _proc_stats():
+    """(pid, the fields of /proc/<pid>/stat after the command name) of every process."""
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            yield int(entry.name), (entry / "stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[3]) == pgid and fields[0] != "Z":
-            found.append(int(entry.name))
-    return found
+
+
+def group_pids(pgid: int) -> list[int]:
+    """Live (not zombie) processes of process group ``pgid``."""
+    return [pid for pid, fields in _proc_stats() if int(fields[3]) == pgid and fields[0] != "Z"]
 
 
 def kill_process_group(pgid: int, timeout_s: float = 5.0) -> int:
@@ -160,17 +161,7 @@ def kill_process_group(pgid: int, timeout_s: float = 5.0) -> int:
 
 def child_pids(pid: int) -> list[int]:
     """Live children of ``pid``."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid and fields[0] != "Z":
-            found.append(int(entry.name))
-    return found
+    return [child for child, fields in _proc_stats() if int(fields[1]) == pid and fields[0] != "Z"]
 
 
 def find_stubs(server_pid: int | None = None) -> list[Stub]:

@@ -237,7 +237,7 @@ def test_a_message_that_cannot_be_encoded_is_the_clients_error_not_the_models(fa
     gateway, recorder = service(fake, tmp_path)
     bad = [{"role": "user", "content": [{"type": "text", "text": "hi \ud800 there"}]}]
     for _ in range(5):  # circuit_failure_threshold is 2
-        with pytest.raises(InputError, match=r"messages\[0\]\.content\[0\]\.text holds a lone surrogate"):
+        with pytest.raises(InputError, match=r"messages\[0\]\.content\[0\]\.text holds a lone UTF-16 surrogate"):
             gateway.complete(None, model="gpt-4.1", messages=bad)
     assert fake.requests == [] and not [e for e in recorder.events if e[0] in ("failure", "cooldown")]
     assert gateway.ledger.rows() == []

@@ -7,9 +7,9 @@ import base64
 import binascii
 import json
 import re
-from typing import Any, Mapping
+from typing import Mapping
 
-from triton_pipelines.errors import InputError
+from triton_pipelines.errors import InputError, check_encodable
 
 MESSAGE_ROLES = ("system", "user", "assistant", "developer", "tool")
 # What a vision_llm image may claim to be (it becomes a data: URL sent upstream).
@@ -75,27 +75,8 @@ def parse_payload(raw: bytes) -> dict:
     if not isinstance(payload, dict):
         raise InputError(f"payload must be a JSON object, not {type(payload).__name__}")
     if _SURROGATE_ESCAPE.search(raw):
-        _check_unicode(payload, "payload")
+        check_encodable(payload, "payload")
     return payload
-
-
-def _check_unicode(value: Any, where: str) -> None:
-    """Every string (keys too) encodes to UTF-8; iterative, so depth costs no recursion."""
-    stack = [(value, where)]
-    while stack:
-        item, path = stack.pop()
-        if isinstance(item, str):
-            try:
-                item.encode("utf-8")
-            except UnicodeEncodeError as error:
-                raise InputError(f"{path} holds a lone UTF-16 surrogate ({item[error.start]!a} at "
-                                 f"index {error.start}): not valid Unicode text") from None
-        elif isinstance(item, dict):
-            for key, child in item.items():
-                stack.append((key, f"{path} key"))
-                stack.append((child, f"{path}.{key}" if isinstance(key, str) and key.isidentifier() else path))
-        elif isinstance(item, list):
-            stack.extend((child, f"{path}[{i}]") for i, child in enumerate(item))
 
 
 def decode_base64(value: str, name: str) -> bytes:
