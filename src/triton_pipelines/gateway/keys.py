@@ -183,8 +183,8 @@ class KeyRing:
     def lookup(self, secret: str) -> ApiKey | None:
         """The key whose secret this is, or None. Compares hashes (a dict lookup on SHA-256 leaks
         nothing useful about the secret through timing)."""
-        if not secret or len(secret) > MAX_SECRET_CHARS:
-            return None
+        if not secret or len(secret) > MAX_SECRET_CHARS or not (secret.isascii() and secret.isprintable()):
+            return None  # every key file's secret is printable ASCII: anything else is no key (never hashed)
         return self._by_id.get(key_id(secret))
 
     def by_id(self, identifier: str) -> ApiKey | None:

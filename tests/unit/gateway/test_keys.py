@@ -91,3 +91,12 @@ def test_environment(tmp_path):
     with pytest.raises(KeysFileError) as error:
         keys_from_environment({KEYS_FILE_ENV: str(path)})
     assert SECRET_A not in str(error.value)
+
+
+def test_a_secret_that_is_not_printable_ascii_is_no_key():
+    """Header bytes decoded as latin-1 or surrogates (non-UTF-8 in Authorization) are no key, on
+    every path that looks one up (the screen and /v1), without an encoding error."""
+    ring = KeyRing.from_document({"keys": [{"key": "sk-" + "a" * 20, "name": "team-a"}]})
+    for secret in ("sk-\udcff" + "a" * 20, "sk-\xff" + "a" * 20, "sk-\x00" + "a" * 20):
+        assert ring.lookup(secret) is None
+    assert ring.lookup("sk-" + "a" * 20).name == "team-a"
