@@ -188,13 +188,14 @@ def _number(body: Mapping, name: str, low: float, high: float, default: float | 
 
 def _in_range(name: str, value, low: float, high: float, integer: bool = False):
     kind = "integer" if integer else "decimal"
-    shown = str(value) if isinstance(value, float) or len(str(value)) <= 40 else f"an integer of {len(str(value))} digits"
+    digits = len(str(abs(value))) if isinstance(value, int) else 0
+    shown = f"an integer of {digits} digits" if digits > 40 else str(value)
     if isinstance(value, float) and not math.isfinite(value):  # NaN, Infinity: Python's parser reads them
         raise invalid(f"Invalid '{name}': expected a finite number, but got {shown} instead.", name, "invalid_value")
     for out, side, bound, sign in ((value < low, "below minimum", low, ">="), (value > high, "above maximum", high, "<=")):
         if out:
             raise invalid(f"Invalid '{name}': {kind} {side} value. Expected a value {sign} {bound}, but got {shown} "
-                          f"instead.", name, f"{kind}_{side.replace('imum', '')}_value")
+                          f"instead.", name, f"{kind}_{side.replace('imum', '').replace(' ', '_')}_value")
     return value
 
 
