@@ -8,9 +8,9 @@ import asyncio
 
 from triton_pipelines.limits import REQUEST_TIMEOUT_S
 from triton_pipelines.openai_api import protocol as proto
+from triton_pipelines.openai_api import transcripts
 from triton_pipelines.openai_api.metrics import Metrics
 from triton_pipelines.openai_api.multipart import read_multipart
-from triton_pipelines.openai_api import transcripts
 from triton_pipelines.openai_api.replies import reply
 from triton_pipelines.openai_api.triton_grpc import Triton, bytes_input, triton_error
 
