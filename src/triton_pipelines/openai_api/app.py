@@ -62,15 +62,7 @@ class Frontend:
             request["model"] = None
             status = 500
             try:
-                if self.keys is not None:
-                    secret = bearer_secret(request.headers.get("Authorization"))
-                    if secret is None:
-                        raise proto.unauthorized("You didn't provide an API key: send 'Authorization: Bearer <key>'")
-                    request["api_key"] = self.keys.lookup(secret)
-                    if request["api_key"] is None:
-                        raise proto.unauthorized("Incorrect API key provided.")
-                else:
-                    request["api_key"] = None
+                request["api_key"] = self.api_key(request.headers.get("Authorization"))
                 response = await handler(request)
                 status = response.status
                 return response
@@ -94,6 +86,23 @@ class Frontend:
             finally:
                 self.metrics.observe(endpoint, request.get("model"), status, time.perf_counter() - started)
         return handle
+
+    def api_key(self, authorization: str | None):
+        """The key of ``Authorization: Bearer <key>`` (None with keys off), or 401. A key is printable
+        ASCII (gateway/keys.py); aiohttp reads other bytes of a header as lone surrogates, which no key
+        holds (and which cannot be hashed as UTF-8)."""
+        if self.keys is None:
+            return None
+        secret = bearer_secret(authorization)
+        if secret is None:
+            raise proto.unauthorized("You didn't provide an API key: send 'Authorization: Bearer <key>'")
+        if not (secret.isascii() and secret.isprintable()):
+            raise proto.unauthorized("Incorrect API key provided: an API key is printable ASCII, and the "
+                                     "Authorization header holds other bytes.")
+        key = self.keys.lookup(secret)
+        if key is None:
+            raise proto.unauthorized("Incorrect API key provided.")
+        return key
 
     async def metrics_page(self, request):
         return reply(self.metrics.render(), content_type="text/plain")

@@ -8,6 +8,7 @@ import asyncio
 
 from triton_pipelines.limits import REQUEST_TIMEOUT_S
 from triton_pipelines.openai_api import protocol as proto
+from triton_pipelines.openai_api import transcripts
 from triton_pipelines.openai_api.metrics import Metrics
 from triton_pipelines.openai_api.multipart import read_multipart
 from triton_pipelines.openai_api.replies import reply
@@ -46,20 +47,20 @@ class ServingAudio:
             final = await self.final_response(call)
             text, segments = final
             duration = segments[-1].end if segments else 0.0
-            body, content_type = proto.format_transcript(parsed.response_format, text, segments, task,
+            body, content_type = transcripts.format_transcript(parsed.response_format, text, segments, task,
                                                          parsed.language or "en", duration)
             return reply(body, content_type=content_type)
         finally:
             done.set()
             call.cancel()  # a no-op after the final response; stops the decode when the client left
 
-    async def final_response(self, call) -> tuple[str, list[proto.Segment]]:
+    async def final_response(self, call) -> tuple[str, list[transcripts.Segment]]:
         async for result, error in call:
             if error is not None:
                 raise triton_error(error, "audio")
             if bool(result.as_numpy("is_final").reshape(-1)[0]):
                 text = result.as_numpy("transcript").reshape(-1)[0].decode("utf-8", "replace")
-                return text, proto.parse_segments(result.as_numpy("segments").reshape(-1)[0])
+                return text, transcripts.parse_segments(result.as_numpy("segments").reshape(-1)[0])
         raise proto.unavailable("audio: the speech model ended the stream without a transcript")
 
     async def audio_events(self, request, call, endpoint: str, parsed: proto.TranscriptionRequest):
@@ -88,10 +89,10 @@ class ServingAudio:
                 final = bool(result.as_numpy("is_final").reshape(-1)[0])
                 delta = result.as_numpy("delta").reshape(-1)[0].decode("utf-8", "replace")
                 if delta:
-                    await response.write(proto.sse(proto.transcript_delta(delta)))
+                    await response.write(proto.sse(transcripts.transcript_delta(delta)))
                 if final:
                     text = result.as_numpy("transcript").reshape(-1)[0].decode("utf-8", "replace")
-                    await response.write(proto.sse(proto.transcript_done(text)))
+                    await response.write(proto.sse(transcripts.transcript_done(text)))
                     break
         except (ConnectionResetError, asyncio.CancelledError):
             self.metrics.streamed(endpoint, parsed.model, disconnected=True)

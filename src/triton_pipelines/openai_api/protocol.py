@@ -15,8 +15,9 @@ the launcher runs behind nginx's ``/v1/``) is a thin layer over this module, and
   its arguments (``chat_arguments``), its answer → ``chat.completion`` (``chat_completion``) with
   the headers saying which model answered and why (``gateway_headers``), a streamed chunk → what
   the client gets (``chat_chunk``), a refusal or failure → the OpenAI error (``gateway_failure``).
-- Transcripts in every ``response_format`` (json, text, verbose_json, srt, vtt) from
-  ``Segment``s (one per Whisper window of at most 30 s, cut in pauses: docs/openai.md).
+- Request fields by JSON type as OpenAI's API checks them (``_typed``: integers, numbers, booleans,
+  strings, objects; wrong type 400 ``invalid_type`` naming the field), multipart's text fields.
+- Transcripts in every ``response_format``: ``transcripts.py``.
 - ``sse``: one server-sent event.
 """
 
@@ -131,15 +132,42 @@ def parse_json_body(raw: bytes, limit: int = MAX_JSON_BODY_BYTES) -> dict:
     return document
 
 
+# ----------------------------------------------------------------------------------- fields
+# JSON types as OpenAI's API checks them: an integer is a JSON integer (not true, not "7", not 7.0), a
+# number a JSON number, a boolean true or false; a wrong type is 400 ``invalid_type`` naming the field,
+# a value out of range 400 naming it too (an integer of any size is compared exactly, never made a
+# float). Multipart fields are text: ``_text_boolean`` and ``_text_number`` read them (audio).
+JSON_TYPES = {"integer": "an integer", "number": "a number", "boolean": "a boolean", "string": "a string",
+              "object": "an object"}
+_IS_TYPE = {"integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+            "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+            "boolean": lambda v: isinstance(v, bool), "string": lambda v: isinstance(v, str),
+            "object": lambda v: isinstance(v, dict)}
+
+
+def json_type(value) -> str:
+    """A parsed JSON value's type as OpenAI's errors name it."""
+    if isinstance(value, bool):
+        return "a boolean"
+    return {int: "an integer", float: "a decimal", str: "a string", list: "an array", dict: "an object"}.get(
+        type(value), "null")
+
+
+def _typed(body: Mapping, name: str, kind: str, prefix: str = ""):
+    value = body.get(name)
+    if value is not None and not _IS_TYPE[kind](value):
+        raise invalid(f"Invalid type for '{prefix}{name}': expected {JSON_TYPES[kind]}, but got {json_type(value)} "
+                      f"instead.", prefix + name, "invalid_type")
+    return value
+
+
 def _string(body: Mapping, name: str, required: bool = False, choices: Sequence[str] | None = None,
             default: str | None = None, max_chars: int = 256) -> str | None:
-    value = body.get(name)
+    value = _typed(body, name, "string")
     if value is None:
         if required:
             raise invalid(f"'{name}' is required", name)
         return default
-    if not isinstance(value, str):
-        raise invalid(f"'{name}' must be a string, not {type(value).__name__}", name)
     if len(value) > max_chars:
         raise invalid(f"'{name}' is longer than {max_chars} characters", name)
     if choices is not None and value not in choices:
@@ -147,32 +175,49 @@ def _string(body: Mapping, name: str, required: bool = False, choices: Sequence[
     return value
 
 
-def _boolean(body: Mapping, name: str, default: bool = False) -> bool:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.lower() in ("true", "false"):  # multipart fields are text
-        return value.lower() == "true"
-    raise invalid(f"'{name}' must be a boolean", name)
+def _boolean(body: Mapping, name: str, default: bool = False, prefix: str = "") -> bool:
+    value = _typed(body, name, "boolean", prefix)
+    return default if value is None else value
 
 
 def _number(body: Mapping, name: str, low: float, high: float, default: float | None = None,
             integer: bool = False) -> float | None:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, str):  # multipart fields
-        try:
-            value = float(value) if not integer else int(value)
-        except ValueError:
-            raise invalid(f"'{name}' must be a number", name) from None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)) \
-            or not math.isfinite(value) or not low <= value <= high:
-        kind = "an integer" if integer else "a number"
-        raise invalid(f"'{name}' must be {kind} in {low:g}..{high:g}", name)
+    value = _typed(body, name, "integer" if integer else "number")
+    return default if value is None else _in_range(name, value, low, high, integer)
+
+
+def _in_range(name: str, value, low: float, high: float, integer: bool = False):
+    kind = "integer" if integer else "decimal"
+    digits = len(str(abs(value))) if isinstance(value, int) else 0
+    shown = f"an integer of {digits} digits" if digits > 40 else str(value)
+    if isinstance(value, float) and not math.isfinite(value):  # NaN, Infinity: Python's parser reads them
+        raise invalid(f"Invalid '{name}': expected a finite number, but got {shown} instead.", name, "invalid_value")
+    for out, side, bound, sign in ((value < low, "below minimum", low, ">="), (value > high, "above maximum", high, "<=")):
+        if out:
+            raise invalid(f"Invalid '{name}': {kind} {side} value. Expected a value {sign} {bound}, but got {shown} "
+                          f"instead.", name, f"{kind}_{side.replace('imum', '').replace(' ', '_')}_value")
     return value
+
+
+def _text_boolean(fields: Mapping[str, str], name: str) -> bool:
+    """A multipart field ``true`` or ``false`` (any case)."""
+    value = fields.get(name)
+    if value is None or value.lower() in ("true", "false"):
+        return value is not None and value.lower() == "true"
+    raise invalid(f"Invalid '{name}': expected true or false, but got {value[:32]!r} instead.", name, "invalid_type")
+
+
+def _text_number(fields: Mapping[str, str], name: str, low: float, high: float, default: float) -> float:
+    """A multipart field holding a decimal number (a finite one, in range)."""
+    text = fields.get(name)
+    if text is None:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        raise invalid(f"Invalid '{name}': expected a number, but got {text[:32]!r} instead.", name,
+                      "invalid_type") from None
+    return _in_range(name, value, low, high)
 
 
 # ----------------------------------------------------------------------------------- models
@@ -339,67 +384,14 @@ def parse_transcription(fields: Mapping[str, str], filename: str | None, file_si
             raise invalid(f"'language' must be an ISO-639-1 code Whisper knows (en, de, fr, ...), not "
                           f"{language!r}", "language")
     response_format = _string(fields, "response_format", choices=RESPONSE_FORMATS, default="json")
-    stream = _boolean(fields, "stream")
+    stream = _text_boolean(fields, "stream")
     if stream and response_format not in ("json", "text"):
         raise invalid(f"'stream' needs response_format json or text (not {response_format}): a streamed transcript "
                       f"is sent as transcript.text.delta / transcript.text.done events", "stream")
-    temperature = _number(fields, "temperature", 0.0, 1.0, default=0.0)
+    temperature = _text_number(fields, "temperature", 0.0, 1.0, default=0.0)
     prompt = _string(fields, "prompt", max_chars=MAX_FIELD_BYTES)
     return TranscriptionRequest(name, task, language, response_format, stream, float(temperature), prompt,
                                 filename or "")
-
-
-@dataclass(frozen=True)
-class Segment:
-    """One Whisper window of a transcript: its time span in the audio and its text and tokens."""
-    start: float
-    end: float
-    text: str
-    tokens: tuple[int, ...] = ()
-
-
-LANGUAGE_NAMES = {"en": "english", "de": "german", "es": "spanish", "fr": "french", "it": "italian",
-                  "pt": "portuguese", "nl": "dutch", "ja": "japanese", "zh": "chinese", "ru": "russian"}
-
-
-def _timestamp(seconds: float, separator: str) -> str:
-    millis = int(round(max(0.0, seconds) * 1000))
-    hours, millis = divmod(millis, 3_600_000)
-    minutes, millis = divmod(millis, 60_000)
-    secs, millis = divmod(millis, 1000)
-    return f"{hours:02d}:{minutes:02d}:{secs:02d}{separator}{millis:03d}"
-
-
-def format_transcript(response_format: str, text: str, segments: Sequence[Segment], task: str,
-                      language: str, duration: float) -> tuple[str, str]:
-    """(body, content type) of a transcript in ``response_format``."""
-    if response_format == "json":
-        return json.dumps({"text": text}), "application/json"
-    if response_format == "text":
-        return text + "\n", "text/plain; charset=utf-8"
-    shown = [s for s in segments if s.text]
-    if response_format == "verbose_json":
-        return json.dumps({
-            "task": task, "language": LANGUAGE_NAMES.get(language, language), "duration": round(duration, 3),
-            "text": text,
-            "segments": [{"id": i, "seek": int(round(s.start * 100)), "start": round(s.start, 3),
-                          "end": round(s.end, 3), "text": s.text, "tokens": list(s.tokens), "temperature": 0.0,
-                          "avg_logprob": None, "compression_ratio": None, "no_speech_prob": None}
-                         for i, s in enumerate(shown)]}), "application/json"
-    if response_format == "srt":
-        blocks = [f"{i + 1}\n{_timestamp(s.start, ',')} --> {_timestamp(s.end, ',')}\n{s.text}\n"
-                  for i, s in enumerate(shown)]
-        return "\n".join(blocks), "text/plain; charset=utf-8"
-    if response_format == "vtt":
-        blocks = [f"{_timestamp(s.start, '.')} --> {_timestamp(s.end, '.')}\n{s.text}\n" for s in shown]
-        return "WEBVTT\n\n" + "\n".join(blocks), "text/vtt; charset=utf-8"
-    raise invalid(f"'response_format' must be one of {', '.join(RESPONSE_FORMATS)}", "response_format")
-
-
-def parse_segments(raw: bytes | str) -> list[Segment]:
-    """The ``segments`` output of ``speech_recognition_stream`` (JSON list of {start, end, text, tokens})."""
-    return [Segment(float(s["start"]), float(s["end"]), str(s["text"]), tuple(int(t) for t in s.get("tokens", ())))
-            for s in json.loads(raw)]
 
 
 # ----------------------------------------------------------------------------------- chat
@@ -412,6 +404,12 @@ class ChatRequest:
 
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+# The scalar fields of a chat request, checked as OpenAI's API checks them (type, then range); of them
+# only max_tokens, max_completion_tokens and temperature reach the gateway.
+CHAT_NUMBERS = {"temperature": (0, 2), "top_p": (0, 1), "frequency_penalty": (-2, 2), "presence_penalty": (-2, 2)}
+CHAT_INTEGERS = {"max_tokens": (1, 1_000_000), "max_completion_tokens": (1, 1_000_000), "n": (1, 128),
+                 "top_logprobs": (0, 20), "seed": (-2**63, 2**63 - 1)}
+CHAT_BOOLEANS = ("logprobs", "parallel_tool_calls", "store")
 
 
 def parse_chat(body: Mapping, catalog: ModelCatalog) -> ChatRequest:
@@ -432,19 +430,19 @@ def parse_chat(body: Mapping, catalog: ModelCatalog) -> ChatRequest:
             raise invalid(f"'messages[{index}].content' must be a string or a list of content parts",
                           f"messages[{index}].content")
     stream = _boolean(body, "stream")
-    options = body.get("stream_options")
-    if options is not None and not isinstance(options, dict):
-        raise invalid("'stream_options' must be an object", "stream_options")
+    options = _typed(body, "stream_options", "object")
     if options and not stream:
         raise invalid("'stream_options' is only allowed with 'stream': true", "stream_options")
-    include_usage = bool(options and options.get("include_usage"))
-    _number(body, "temperature", 0.0, 2.0)
-    _number(body, "top_p", 0.0, 1.0)
-    for name_ in ("max_tokens", "max_completion_tokens"):
-        _number(body, name_, 1, 1_000_000, integer=True)
-    n = _number(body, "n", 1, 1, integer=True)
-    if n not in (None, 1):
-        raise invalid("'n' must be 1", "n")
+    include_usage = _boolean(options or {}, "include_usage", prefix="stream_options.")
+    for field_name, (low, high) in CHAT_NUMBERS.items():
+        _number(body, field_name, low, high)
+    for field_name, (low, high) in CHAT_INTEGERS.items():
+        _number(body, field_name, low, high, integer=True)
+    for field_name in CHAT_BOOLEANS:
+        _boolean(body, field_name)
+    _string(body, "user")
+    if body.get("n") not in (None, 1):
+        raise invalid("'n' must be 1: one choice per request", "n")
     return ChatRequest(name, dict(body, model=name), stream, include_usage)
 
 
@@ -566,11 +564,3 @@ def sse(data: Mapping | str, event: str | None = None) -> bytes:
 
 
 SSE_DONE = b"data: [DONE]\n\n"
-
-
-def transcript_delta(delta: str) -> dict:
-    return {"type": "transcript.text.delta", "delta": delta}
-
-
-def transcript_done(text: str) -> dict:
-    return {"type": "transcript.text.done", "text": text}

@@ -64,7 +64,14 @@ def route_table(model_repository: Path):
 
 
 async def serve(args: argparse.Namespace) -> None:
-    from aiohttp import web
+    import warnings
+
+    from aiohttp import multipart, web
+
+    # aiohttp warns of each malformed Content-Disposition it reads (a line per distinct header, a
+    # client's to choose); multipart.py answers each with a 400 saying what is wrong.
+    for category in (multipart.BadContentDispositionHeader, multipart.BadContentDispositionParam):
+        warnings.filterwarnings("ignore", category=category)
 
     from triton_pipelines.pipelines.speech.config import LANGUAGE_CODES
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from triton_pipelines.openai_api import protocol as proto
+from triton_pipelines.openai_api import transcripts
 from triton_pipelines.pipelines.speech.decoding import GreedyBatch
 from triton_pipelines.pipelines.speech.streaming import StreamDecode, StreamJob, stable_prefix, text_delta
 
@@ -173,28 +174,30 @@ def test_a_missing_or_empty_file_is_400():
         assert error.status == 400 and error.param == "file"
 
 
-SEGMENTS = [proto.Segment(0.0, 29.5, "Hello there.", (1, 2)), proto.Segment(29.5, 3725.25, "General Kenobi.", (3,))]
+SEGMENTS = [transcripts.Segment(0.0, 29.5, "Hello there.", (1, 2)),
+            transcripts.Segment(29.5, 3725.25, "General Kenobi.", (3,))]
 
 
 def test_response_formats():
     text = "Hello there. General Kenobi."
-    body, kind = proto.format_transcript("json", text, SEGMENTS, "transcribe", "en", 3725.25)
+    body, kind = transcripts.format_transcript("json", text, SEGMENTS, "transcribe", "en", 3725.25)
     assert json.loads(body) == {"text": text} and kind == "application/json"
-    assert proto.format_transcript("text", text, SEGMENTS, "transcribe", "en", 1)[0] == text + "\n"
-    verbose = json.loads(proto.format_transcript("verbose_json", text, SEGMENTS, "translate", "de", 3725.25)[0])
+    assert transcripts.format_transcript("text", text, SEGMENTS, "transcribe", "en", 1)[0] == text + "\n"
+    verbose = json.loads(transcripts.format_transcript("verbose_json", text, SEGMENTS, "translate", "de",
+                                                       3725.25)[0])
     assert verbose["task"] == "translate" and verbose["language"] == "german" and verbose["duration"] == 3725.25
     assert [(s["start"], s["end"], s["text"]) for s in verbose["segments"]] == [(0.0, 29.5, "Hello there."),
                                                                               (29.5, 3725.25, "General Kenobi.")]
-    srt = proto.format_transcript("srt", text, SEGMENTS, "transcribe", "en", 1)[0]
+    srt = transcripts.format_transcript("srt", text, SEGMENTS, "transcribe", "en", 1)[0]
     assert srt == ("1\n00:00:00,000 --> 00:00:29,500\nHello there.\n\n"
                    "2\n00:00:29,500 --> 01:02:05,250\nGeneral Kenobi.\n")
-    vtt = proto.format_transcript("vtt", text, SEGMENTS, "transcribe", "en", 1)[0]
+    vtt = transcripts.format_transcript("vtt", text, SEGMENTS, "transcribe", "en", 1)[0]
     assert vtt.startswith("WEBVTT\n\n00:00:00.000 --> 00:00:29.500\nHello there.\n")
 
 
 def test_segments_round_trip_from_the_stream_models_output():
     raw = json.dumps([{"start": 0, "end": 1.5, "text": "a", "tokens": [1]}])
-    assert proto.parse_segments(raw) == [proto.Segment(0.0, 1.5, "a", (1,))]
+    assert transcripts.parse_segments(raw) == [transcripts.Segment(0.0, 1.5, "a", (1,))]
 
 
 # ------------------------------------------------------------------------------------ chat
