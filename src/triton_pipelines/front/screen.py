@@ -13,7 +13,10 @@ parser that cannot be driven into deep recursion, and refused with a message nam
   (our parser and Triton's could then see different requests), anything but an object;
 - shapes Triton truncates to 32 bits (``[4294967297, 1]`` is served as batch 1): every dimension
   must be at least 1, and the element count at most the body limit;
-- malformed ``binary_data_size`` (negative, fractional, a string): Triton answers those with 500;
+- parameters of the wrong type or range (``binary_data_size`` negative or fractional, ``binary_data``
+  or ``sequence_start`` not a boolean, ``priority``, ``timeout`` or ``sequence_id`` negative, too large
+  or fractional; ``PARAMETER_RULES``) and tensor ``data`` whose elements do not fit the datatype
+  (numbers for BYTES, strings for FP32): Triton answers those with 500 "Unable to parse";
 - an empty body (Triton serves it as an empty string);
 - shared-memory parameters (the shared-memory APIs are not public, so no region can be named);
 - inference on models that are not public (the pipelines and the router; ``public_models``).
@@ -26,7 +29,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 from triton_pipelines.gateway.keys import KEY_ID_PARAMETER
 
@@ -123,6 +126,108 @@ def check_request_parameter_names(names: Iterable[str]) -> None:
                               f"`Authorization: Bearer <key>`")
 
 
+# ---------------------------------------------------------------------------- parameter values
+# What Triton 2.51's HTTP endpoint (src/http_server.cc) reads each parameter as: AsBool (a JSON
+# boolean), AsUInt (a whole number 0 <= x < 2**64); anything else is its 500 "Unable to parse".
+def _boolean(value) -> bool:
+    return type(value) is bool
+
+
+def _whole_below(limit: int) -> Callable[[object], bool]:
+    return lambda value: type(value) is int and 0 <= value < limit
+
+
+@dataclass(frozen=True)
+class ParameterRule:
+    must_be: str  # what the error says the value must be
+    accepts: Callable[[object], bool]
+
+
+_BOOLEAN = ParameterRule("a boolean (true or false)", _boolean)
+_UINT64 = ParameterRule("a whole number from 0 to 2**64 - 1", _whole_below(2**64))
+# Per where the parameter sits: "request" (the request's own), "input", "output". Parameters not
+# named here are not checked by value (on tensors, check_*_parameter_names refuses unknown ones).
+PARAMETER_RULES: dict[str, dict[str, ParameterRule]] = {
+    "request": {
+        "sequence_id": ParameterRule("a whole number from 0 to 2**64 - 1, or a string",
+                                     lambda value: isinstance(value, str) or _whole_below(2**64)(value)),
+        "sequence_start": _BOOLEAN,
+        "sequence_end": _BOOLEAN,
+        "priority": _UINT64,
+        # microseconds; Triton reads uint64 but keeps the deadline in signed nanoseconds
+        "timeout": ParameterRule("a whole number of microseconds from 0 to 2**63 - 1", _whole_below(2**63)),
+        "binary_data_output": _BOOLEAN,
+    },
+    "input": {"binary_data_size": ParameterRule("a whole number of bytes (0 to 2**64 - 1)", _whole_below(2**64))},
+    "output": {"binary_data": _BOOLEAN},
+}
+
+
+def _shown(value) -> str:
+    """A JSON value for an error, short and without recursing into it."""
+    if isinstance(value, (dict, list)):
+        return "an object" if isinstance(value, dict) else "a list"
+    return json.dumps(value)[:40]
+
+
+def check_parameter_values(where: str, owner: str, parameters: dict) -> None:
+    """Refuses a parameter whose value Triton could not read; ``where`` keys PARAMETER_RULES,
+    ``owner`` names the tensor (or the request) in the error."""
+    for name, rule in PARAMETER_RULES[where].items():
+        if name in parameters and not rule.accepts(parameters[name]):
+            raise ScreenError(f"{owner}: parameter '{name}' must be {rule.must_be}, "
+                              f"not {_shown(parameters[name])}")
+
+
+# ---------------------------------------------------------------------------- tensor data
+@dataclass(frozen=True)
+class ElementRule:
+    """What each element of a datatype's JSON 'data' must be: one of ``types``, within
+    ``low <= x < high`` where given."""
+    must_be: str
+    types: frozenset
+    low: int | None = None
+    high: int | None = None
+
+    def accepts(self, value) -> bool:
+        return type(value) in self.types and (self.low is None or self.low <= value < self.high)
+
+
+# Triton's ReadDataFromJson reads elements with AsString, AsBool, AsUInt, AsInt, AsDouble; FP16,
+# BF16 and unknown datatypes it refuses itself with a 400.
+_UNSIGNED = ElementRule("a whole number from 0 to 2**64 - 1", frozenset({int}), 0, 2**64)
+_SIGNED = ElementRule("a whole number from -2**63 to 2**63 - 1", frozenset({int}), -2**63, 2**63)
+_FLOATING = ElementRule("a number", frozenset({int, float}))
+DATA_ELEMENTS: dict[str, ElementRule] = {
+    "BYTES": ElementRule("a string", frozenset({str})),
+    "BOOL": ElementRule("a boolean (true or false)", frozenset({bool})),
+    **{f"UINT{bits}": _UNSIGNED for bits in (8, 16, 32, 64)},
+    **{f"INT{bits}": _SIGNED for bits in (8, 16, 32, 64)},
+    "FP32": _FLOATING, "FP64": _FLOATING,
+}
+
+
+def check_tensor_data(input_name: str, datatype: str, data) -> None:
+    """JSON tensor data: a list, nested or flat, whose every element fits ``datatype``. Walked
+    without recursion (the JSON may nest up to MAX_JSON_DEPTH), one list at a time at C speed."""
+    if not isinstance(data, list):
+        raise ScreenError(f"input '{echo(input_name)}': 'data' must be a list")
+    rule = DATA_ELEMENTS.get(datatype)
+    pending = [data] if rule is not None else []
+    while pending:
+        values = pending.pop()
+        kinds = set(map(type, values))
+        if list in kinds:
+            pending.extend(value for value in values if type(value) is list)
+            kinds.discard(list)
+            values = [value for value in values if type(value) is not list]
+        if values and (not kinds <= rule.types
+                       or rule.low is not None and not rule.low <= min(values) <= max(values) < rule.high):
+            wrong = next(value for value in values if not rule.accepts(value))
+            raise ScreenError(f"input '{echo(input_name)}': every element of 'data' of datatype {datatype} "
+                              f"must be {rule.must_be}, not {_shown(wrong)}")
+
+
 # ------------------------------------------------------------------------------------------ HTTP
 def _reject_duplicates(pairs: list) -> dict:
     result = dict(pairs)
@@ -187,16 +292,15 @@ def check_http_request(policy: ScreenPolicy, model: str, version: str, header_by
         policy.check_shape(name, shape)
         parameters = _object(tensor.get("parameters"), f"the parameters of input '{echo(name)}'")
         check_input_parameter_names(name, parameters)
+        check_parameter_values("input", f"input '{echo(name)}'", parameters)
         if "binary_data_size" in parameters:
-            size = parameters["binary_data_size"]
-            if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-                raise ScreenError(f"input '{echo(name)}': binary_data_size must be a whole number of bytes, "
-                                  f"not {size!r:.40}")
             if "data" in tensor:
                 raise ScreenError(f"input '{echo(name)}' has both 'data' and binary_data_size")
-            binary_total += size
+            binary_total += parameters["binary_data_size"]
         elif "data" not in tensor:
             raise ScreenError(f"input '{echo(name)}' has neither 'data' nor binary_data_size")
+        else:
+            check_tensor_data(name, tensor["datatype"], tensor["data"])
     if binary_total != binary_bytes:
         raise ScreenError(f"the inputs' binary_data_size add up to {binary_total} bytes, but the request carries "
                           f"{binary_bytes} bytes after its JSON header")
@@ -206,9 +310,12 @@ def check_http_request(policy: ScreenPolicy, model: str, version: str, header_by
     for tensor in outputs:
         if not isinstance(tensor, dict) or not isinstance(tensor.get("name"), str):
             raise ScreenError("each entry of 'outputs' must be a JSON object with a 'name'")
-        check_output_parameters(tensor["name"], _object(tensor.get("parameters"),
-                                                        f"the parameters of output '{echo(tensor['name'])}'"))
-    check_request_parameter_names(_object(header.get("parameters"), "the request's 'parameters'"))
+        parameters = _object(tensor.get("parameters"), f"the parameters of output '{echo(tensor['name'])}'")
+        check_output_parameters(tensor["name"], parameters)
+        check_parameter_values("output", f"output '{echo(tensor['name'])}'", parameters)
+    parameters = _object(header.get("parameters"), "the request's 'parameters'")
+    check_request_parameter_names(parameters)
+    check_parameter_values("request", "the request", parameters)
 
 
 # ------------------------------------------------------------------------------------------ gRPC

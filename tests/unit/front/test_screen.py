@@ -133,6 +133,98 @@ def test_binary_data_size_must_be_a_whole_number_of_bytes(size):
     refused(lambda: check_http_request(POLICY, "text_embedding", "", body, 6), "binary_data_size")
 
 
+def body_with(parameters=None, output_parameters=None, tensor=None) -> bytes:
+    """One JSON text input, with request, output or input fields set."""
+    body = {"inputs": [{"name": "text", "shape": [1, 1], "datatype": "BYTES", "data": ["x"], **(tensor or {})}]}
+    if output_parameters is not None:
+        body["outputs"] = [{"name": "embedding", "parameters": output_parameters}]
+    if parameters is not None:
+        body["parameters"] = parameters
+    return json.dumps(body).encode()
+
+
+@pytest.mark.parametrize("value", ["yes", 1, 0, None, [True]])
+def test_binary_data_of_an_output_must_be_a_boolean(value):
+    refused(lambda: check_http_request(POLICY, "text_embedding", "", body_with(output_parameters={
+        "binary_data": value}), 0), "output 'embedding'", "binary_data", "boolean")
+
+
+@pytest.mark.parametrize("value", [True, False])
+def test_binary_data_booleans_pass(value):
+    check_http_request(POLICY, "text_embedding", "", body_with(output_parameters={"binary_data": value}), 0)
+    check_http_request(POLICY, "text_embedding", "", body_with({"binary_data_output": value}), 0)
+
+
+@pytest.mark.parametrize("name,value", [
+    ("binary_data_output", "yes"), ("binary_data_output", 1),
+    ("sequence_id", -1), ("sequence_id", 1.5), ("sequence_id", 2**64), ("sequence_id", True), ("sequence_id", None),
+    ("sequence_start", 1), ("sequence_start", "true"), ("sequence_end", 0), ("sequence_end", None),
+    ("priority", -1), ("priority", "x"), ("priority", 1.5), ("priority", 2**64), ("priority", True),
+    ("timeout", -1), ("timeout", 2**70), ("timeout", 1e300), ("timeout", 2**63), ("timeout", "10"), ("timeout", False),
+])
+def test_request_parameters_triton_cannot_read_are_refused_by_name(name, value):
+    error = refused(lambda: check_http_request(POLICY, "text_embedding", "", body_with({name: value}), 0),
+                    f"parameter '{name}'")
+    assert error.grpc_code == "INVALID_ARGUMENT"
+
+
+@pytest.mark.parametrize("parameters", [
+    {"sequence_id": 0}, {"sequence_id": 2**64 - 1}, {"sequence_id": "session-7"}, {"sequence_id": ""},
+    {"sequence_id": 5, "sequence_start": True, "sequence_end": False},
+    {"priority": 0}, {"priority": 2**64 - 1}, {"timeout": 0}, {"timeout": 2**63 - 1},
+    {"binary_data_output": False}, {"other": 1.5},
+])
+def test_legal_request_parameters_pass(parameters):
+    check_http_request(POLICY, "text_embedding", "", body_with(parameters), 0)
+
+
+def test_binary_data_size_names_its_range_and_the_largest_passes_the_value_check():
+    refused(lambda: check_http_request(POLICY, "text_embedding", "", json.dumps({"inputs": [
+        {"name": "text", "shape": [1, 1], "datatype": "BYTES", "parameters": {"binary_data_size": 2**64}}]}).encode(),
+        0), "input 'text'", "parameter 'binary_data_size'", "2**64 - 1")
+    refused(lambda: check_http_request(POLICY, "text_embedding", "", json.dumps({"inputs": [
+        {"name": "text", "shape": [1, 1], "datatype": "BYTES", "parameters": {"binary_data_size": 2**64 - 1}}]}).encode(),
+        0), "add up to")  # a well-typed size, then the sizes' own check
+
+
+@pytest.mark.parametrize("datatype,data", [
+    ("BYTES", [5]), ("BYTES", [["x"], [5]]), ("BYTES", [[None]]), ("BYTES", [True]), ("BYTES", [{"a": "x"}]),
+    ("FP32", ["1.5"]), ("FP32", [[1.0], [True]]), ("FP64", [None]),
+    ("INT64", [1.5]), ("INT64", ["1"]), ("INT32", [True]), ("INT64", [2**63]), ("INT8", [-2**63 - 1]),
+    ("UINT8", [-1]), ("UINT64", [2**64]), ("UINT32", [1.0]),
+    ("BOOL", [1]), ("BOOL", ["true"]), ("BOOL", [[False], [0]]),
+])
+def test_tensor_data_elements_must_fit_the_datatype(datatype, data):
+    refused(lambda: check_http_request(POLICY, "text_embedding", "", body_with(tensor={
+        "datatype": datatype, "data": data, "shape": [len(data), 1]}), 0), "input 'text'", "'data'", datatype)
+
+
+@pytest.mark.parametrize("data", [5, "x", {"a": 1}, None])
+def test_tensor_data_must_be_a_list(data):
+    refused(lambda: check_http_request(POLICY, "text_embedding", "", body_with(tensor={"data": data}), 0),
+            "input 'text'", "'data' must be a list")
+
+
+@pytest.mark.parametrize("datatype,data", [
+    ("BYTES", ["x", ""]), ("BYTES", [["x"], ["y"]]), ("FP32", [1.5, 2]), ("FP64", [[1e300], [-0.0]]),
+    ("INT64", [-2**63, 2**63 - 1]), ("INT8", [1, -1]), ("UINT64", [0, 2**64 - 1]), ("BOOL", [True, False]),
+    ("FP16", ["not read"]), ("BF16", [1]), ("NOTATYPE", [{}]),  # Triton answers these with its own 400
+])
+def test_tensor_data_that_fits_the_datatype_passes(datatype, data):
+    check_http_request(POLICY, "text_embedding", "", body_with(tensor={"datatype": datatype, "data": data,
+                                                                       "shape": [2, 1]}), 0)
+
+
+def test_deeply_nested_tensor_data_is_walked_without_recursion():
+    def nested(leaf: bytes, depth: int = 800) -> bytes:
+        return (b'{"inputs":[{"name":"text","shape":[1,1],"datatype":"BYTES","data":' + b"[" * depth + leaf
+                + b"]" * depth + b"}]}")
+    check_http_request(POLICY, "text_embedding", "", nested(b'"x"'), 0)
+    refused(lambda: check_http_request(POLICY, "text_embedding", "", nested(b"5"), 0), "must be a string")
+    deep_object = nested(b'{"a":' + b"[" * 400 + b"]" * 400 + b"}", 400)  # named in the error, not dumped
+    refused(lambda: check_http_request(POLICY, "text_embedding", "", deep_object, 0), "not an object")
+
+
 def test_binary_sizes_must_add_up_to_what_follows_the_header():
     header, size = http_request()
     refused(lambda: check_http_request(POLICY, "text_embedding", "", header, size + 1), "add up to")
