@@ -30,6 +30,9 @@ from triton_pipelines.server.launcher import RunningServer, start_on_free_ports
 from tests.support.fake_gateway import FakeGateway
 from tests.support.paths import PROJECT_ROOT
 
+# Fixtures shared by folders that do not import each other.
+pytest_plugins = ["tests.support.builder_wheel"]
+
 MODEL_REPOSITORY = Path(os.environ.get("TEST_MODEL_REPOSITORY", PROJECT_ROOT / "model_repository")).resolve()
 LOG_DIR = PROJECT_ROOT / ".cache"
 

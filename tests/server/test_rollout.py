@@ -8,7 +8,7 @@ ensemble callers and router callers:
 - a gate past its threshold rolls the rollout back by itself, still without a failed request;
 - new files for the serving version are put in place and reloaded without a failed request, the
   latency-class variant (symlinked files) included.
-Plus the logic without a server: metrics parsing, the gate, the family read from the repository."""
+The logic without a server (metrics parsing, the gate, the family): tests/unit/ops/test_rollout.py."""
 
 from __future__ import annotations
 
@@ -20,10 +20,34 @@ import numpy as np
 import pytest
 
 from triton_pipelines.client import TritonClient, text_tensor
-from triton_pipelines.ops.rollout import Breach, Gate, Metrics
+from triton_pipelines.ops.rollout import Breach, Gate, Metrics, Rollout
+from triton_pipelines.server.launcher import start_on_free_ports
 
-from tests.support.lifecycle_helpers import TEXTS, Traffic
+from tests.conftest import LOG_DIR, ensure_repository
+from tests.support.lifecycle_helpers import TEXTS, Traffic, copy_repository
 
+MODELS = ["router", "text_tokenizer", "text_encoder", "text_encoder_batch", "intent_classifier",
+          "text_embedding", "text_embedding_v2", "text_embedding_batch", "text_embedding_batch_v2",
+          "text_classification", "text_classification_v2"]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    repository = copy_repository(ensure_repository(), tmp_path_factory.mktemp("lifecycle") / "repository", MODELS)
+    saved = os.environ.pop("ROUTER_SPLIT_FILE", None)  # the router must read the copy's split file
+    try:
+        launched = start_on_free_ports(repository, LOG_DIR / "test-rollout-server.log", models=MODELS)
+    finally:
+        if saved is not None:
+            os.environ["ROUTER_SPLIT_FILE"] = saved
+    yield launched
+    launched.stop()
+
+
+@pytest.fixture(scope="module")
+def rollout(server):
+    return Rollout(server.control, server.metrics_url, Path(server.options.model_repository), "text_encoder",
+                   log=lambda message: print(f"[rollout {time.strftime('%H:%M:%S')}] {message}"), poll_s=0.25, quiet_s=1.0)
 
 
 WORKERS = [("direct", "text_embedding", "grpc"), ("direct", "text_embedding", "http"),

@@ -84,7 +84,7 @@ class GatewayService:
         self.client = client
         self.ledger = ledger
         self.keys = keys
-        self.recorder = recorder or NullRecorder()
+        self._recorder = recorder or NullRecorder()
         self.log = log
         if keys is not None and ledger is None and any(k.max_budget_usd is not None or k.rpm or k.tpm for k in keys):
             raise ValueError("the keys file sets budgets or rate limits, but there is no spend ledger: set "
@@ -112,6 +112,18 @@ class GatewayService:
             log(f"gateway: spend ledger {redacted_url(url)}" + (f"; {reaped} stale reservation(s) abandoned "
                                                                  f"at their reserved cost" if reaped else ""))
         return cls(table, GatewayClient(table.gateway, environ), ledger, keys, recorder, log)
+
+    @property
+    def recorder(self) -> SpendRecorder:
+        """Where calls, refusals and budgets are recorded; set later by a process whose metrics exist
+        after the service (the /v1 frontend): every collaborator records to the new one."""
+        return self._recorder
+
+    @recorder.setter
+    def recorder(self, recorder: SpendRecorder) -> None:
+        self._recorder = recorder
+        for part in (self.access, self.gauges, self.admission, self.fallbacks, self.relay):
+            part.recorder = recorder
 
     # ----------------------------------------------------------------------------- keys
     @property

@@ -142,21 +142,6 @@ def test_every_compose_command_runs_an_executable_its_image_has(profile):
     assert len(servers) == 1 and [p["published"] for p in servers[0]["ports"]] == ["8000", "8001", "8002"]
 
 
-@pytest.fixture(scope="module")
-def wheel(tmp_path_factory) -> Path:
-    """The project's wheel, built from a copy of what the Dockerfile copies (setuptools writes its
-    build/lib next to build/repo_builder: not in the working tree)."""
-    source, out = tmp_path_factory.mktemp("source"), tmp_path_factory.mktemp("wheel")
-    shutil.copy2(PROJECT_ROOT / "pyproject.toml", source)
-    shutil.copytree(PROJECT_ROOT / "src", source / "src", ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copytree(PROJECT_ROOT / "build" / "repo_builder", source / "build" / "repo_builder",
-                    ignore=shutil.ignore_patterns("__pycache__"))
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
-                    "-w", str(out), str(source)], check=True, capture_output=True, timeout=300)
-    (found,) = out.glob("triton_pipelines-*.whl")
-    return found
-
-
 def tree(root: Path) -> dict[str, str]:
     """Relative path → content hash (or link target); not the byte code that the server's Python
     writes next to each model.py it imports."""

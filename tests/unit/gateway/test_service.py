@@ -244,3 +244,18 @@ def test_a_message_that_cannot_be_encoded_is_the_clients_error_not_the_models(fa
     answer = gateway.complete(None, model="gpt-4.1", messages=MESSAGES)
     assert (answer.model, answer.fallback_reason) == ("gpt-4.1", None)
     gateway.close()
+
+
+def test_a_recorder_set_after_the_service_records_every_part(fake, tmp_path):
+    """The /v1 frontend sets its metrics as the recorder after building the service: budgets,
+    refusals and spend all reach it (the collaborators included)."""
+    keys = [{"key": SECRET_A, "name": "team-a", "max_budget_usd": 0.001, "budget_period": "1d"}]
+    gateway, _ = service(fake, tmp_path, keys=keys)
+    later = Recorder()
+    gateway.recorder = later
+    gateway.complete(gateway.authenticate(f"Bearer {SECRET_A}"), model="gpt-4.1", messages=MESSAGES, max_tokens=10)
+    with pytest.raises(GatewayRefusal):
+        gateway.authenticate("Bearer sk-not-a-known-key-000000")
+    kinds = {event[0] for event in later.events}
+    assert {"spend", "budget", "refusal"} <= kinds, kinds
+    gateway.close()

@@ -4,41 +4,13 @@ repository (the rollout under load: tests/server/test_rollout.py)."""
 from __future__ import annotations
 
 import json
-import os
-import time
 from pathlib import Path
 
 import pytest
 
-from triton_pipelines.server.launcher import start_on_free_ports
 from triton_pipelines.ops.rollout import Family, Gate, Metrics, Rollout, StepReport, judge
 
-from tests.conftest import LOG_DIR, ensure_repository
-from tests.support.lifecycle_helpers import copy_repository
-
-MODELS = ["router", "text_tokenizer", "text_encoder", "text_encoder_batch", "intent_classifier",
-          "text_embedding", "text_embedding_v2", "text_embedding_batch", "text_embedding_batch_v2",
-          "text_classification", "text_classification_v2"]
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    repository = copy_repository(ensure_repository(), tmp_path_factory.mktemp("lifecycle") / "repository", MODELS)
-    saved = os.environ.pop("ROUTER_SPLIT_FILE", None)  # the router must read the copy's split file
-    try:
-        launched = start_on_free_ports(repository, LOG_DIR / "test-rollout-server.log", models=MODELS)
-    finally:
-        if saved is not None:
-            os.environ["ROUTER_SPLIT_FILE"] = saved
-    yield launched
-    launched.stop()
-
-
-@pytest.fixture(scope="module")
-def rollout(server):
-    return Rollout(server.control, server.metrics_url, Path(server.options.model_repository), "text_encoder",
-                   log=lambda message: print(f"[rollout {time.strftime('%H:%M:%S')}] {message}"), poll_s=0.25, quiet_s=1.0)
-
+from tests.conftest import ensure_repository
 
 def test_metrics_parse_sums_matching_samples():
     text = ('# HELP x\nnv_inference_request_failure{model="a",version="1"} 2\n'
