@@ -172,7 +172,7 @@ class EnsembleVariants:
         return self.compute[models[0]] if models else None
 
     def variant_name(self, name: str, suffix: str | None, version: int | None) -> str:
-        """``layout.variant_name`` with the class only if the ensemble has it, the version only if it
+        """``contract.variant_name`` with the class only if the ensemble has it, the version only if it
         reaches a canary model."""
         return variant_name(name, suffix if suffix in self.classes(name) else None,
                             version if self.canary_model(name) else None)

@@ -32,7 +32,7 @@ TARGET_IMAGES = {"builder": "triton-pipelines-builder:latest", "serving": "trito
 NO_GPU_OVERRIDE = "docker/compose.no-gpu.yml"
 PYTHON310 = Path(os.environ.get("REHEARSE_PYTHON310", Path.home() / ".pyenv" / "versions" / "3.10.13"))
 PYTRITON = "nvidia-pytriton==0.7.0"
-# Runs even after a failed step (rehearse_steps.py).
+# Runs even after a failed step (tools/rehearse/steps.py).
 CLEANUP_STEP = "clean up"
 
 

@@ -23,7 +23,7 @@ and enforces, before anything is copied into Triton:
   shared-memory, logging and trace APIs answer 403 / ``PERMISSION_DENIED`` here on both protocols;
   they are also restricted with a key inside Triton (``control.py``), reachable on loopback only.
 - Metrics (``/metrics`` on the metrics port) and readiness come from the launcher's status server,
-  which adds its own counters and sees dead Python stubs (``status_server.py``).
+  which adds its own counters and sees dead Python stubs (``server/status.py``).
 
 The configuration is the template ``templates/nginx.conf`` (``%%name`` fields, see ``NginxTemplate``)
 rendered by ``render_config`` from a ``ProxyConfig``, with every answer's text in ``MESSAGES``;
@@ -105,7 +105,7 @@ class ProxyConfig:
     workers: int = 1
     upstream_timeout_s: int = int(REQUEST_TIMEOUT_S)
     run_as: str | None = None  # the worker user when nginx starts as root
-    # The OpenAI-compatible frontend (openai_server.py) that /v1/ goes to; 0: none (/v1 answers 503).
+    # The OpenAI-compatible frontend (openai_api/) that /v1/ goes to; 0: none (/v1 answers 503).
     openai_port: int = 0
 
 

@@ -1,6 +1,6 @@
 """The request screen: what an inference request must look like before Triton 2.51 reads it.
 
-nginx (``proxy.py``) bounds sizes, rates and APIs but cannot read a request's body. Some bodies
+nginx (``front/nginx_config.py``) bounds sizes, rates and APIs but cannot read a request's body. Some bodies
 within every size limit still crash ``tritonserver`` 2.51 or get a wrong answer from it, so each
 inference request (HTTP JSON header or gRPC ``ModelInferRequest``) is parsed here first, by a
 parser that cannot be driven into deep recursion, and refused with a message naming the problem:

@@ -4,8 +4,8 @@
 a request must carry the header ``triton-control-key: <key>``. The key comes from
 ``TRITON_CONTROL_KEY``; when that is unset the launcher generates one at start. Either way it is
 written to ``<state dir>/control.key`` (mode 0600) with the loopback address of Triton's own HTTP
-port in ``<state dir>/server.json`` (``server_state.py``), so our tools (drain, watchdog, rollout,
-benchmarks, tests) find both. The public ports (nginx, ``proxy.py``) refuse these APIs whatever the key.
+port in ``<state dir>/server.json`` (``server/state.py``), so our tools (drain, watchdog, rollout,
+benchmarks, tests) find both. The public ports (nginx, ``front/nginx_config.py``) refuse these APIs whatever the key.
 """
 
 from __future__ import annotations

@@ -19,13 +19,13 @@ What runs:
 - nginx on the public ports (``front/nginx_config.py``, run by ``nginx_process.py``): body limits before Triton reads anything, control APIs
   refused; it listens on 127.0.0.1 unless ``--listen-address`` / ``$TRITON_LISTEN_ADDRESS`` says
   otherwise;
-- the status server behind the public ``/metrics`` and ``/v2/health`` (``status_server.py``);
+- the status server behind the public ``/metrics`` and ``/v2/health`` (``server/status.py``);
 - supervision: a thread calls ``ReplicaSet.reconcile()`` every second (``replicas.py``), one pass
   that never waits: a dead Python stub gets its model reloaded (``stub_watchdog.py``); if
   tritonserver itself dies, its orphaned stubs and shared memory are removed and it is started
   again; a dead screen or nginx too; nginx routes to the healthy replicas.
 
-This module is the wiring: temporary folders, the key and the state file (``server_state.py``), the
+This module is the wiring: temporary folders, the key and the state file (``server/state.py``), the
 status server, the replicas, nginx, warm-up (``warmup.py``), retire and stop; the command's flags are
 ``serve_cli.py``.
 
@@ -375,7 +375,7 @@ def start_on_free_ports(model_repository: Path, log_path: Path, extra_args: list
 
 
 def shm_shortfall(model_repository: Path, replicas: int = 1, shm: str = "/dev/shm") -> str | None:
-    """The warning when /dev/shm is smaller than the stubs may hold: ``layout.shm_shortfall``."""
+    """The warning when /dev/shm is smaller than the stubs may hold: ``repository.contract.shm_shortfall``."""
     from triton_pipelines.repository import contract as layout
 
     return layout.shm_shortfall(model_repository, replicas, shm)

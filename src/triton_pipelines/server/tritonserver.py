@@ -20,7 +20,7 @@ from triton_pipelines.server.state import DEFAULT_HTTP_PORT
 
 DEFAULT_GRPC_PORT = 8001
 DEFAULT_METRICS_PORT = 8002
-# Python-backend shared memory per stub (layout.PYTHON_SHM_*: the planner sizes /dev/shm with them).
+# Python-backend shared memory per stub (repository.contract.PYTHON_SHM_*: the planner sizes /dev/shm with them).
 PYTHON_BACKEND_CONFIG = PYTHON_BACKEND_SHM_CONFIG
 # Latency summaries (nv_inference_{request,queue,compute_infer}_summary_us, quantiles 0.5 to 0.999):
 # 2.51 has no latency histograms for non-decoupled models, and p99 queue time needs one or the other.
