@@ -259,12 +259,18 @@ def test_a_message_that_cannot_be_encoded_is_a_400_and_opens_no_circuit(server, 
     """A lone surrogate in `content` (valid JSON) is the client's error: 400 before any model is
     tried, so more of them than the circuit's failure threshold (50 here) leave every model closed
     for a neighbour's chat (issue 33 §3)."""
-    bad = [{"role": "user", "content": "hi \ud800"}]
-    open_key = client(server, "open")
+    import urllib.error
+    import urllib.request
+
+    # the JSON escape itself: the openai SDK cannot send it (httpx encodes the body as UTF-8 first)
+    body = b'{"model": "gpt-4.1", "max_tokens": 5, "messages": [{"role": "user", "content": "hi \\ud800"}]}'
     for _ in range(GATEWAY["circuit_failure_threshold"] + 5):
-        with pytest.raises(openai.BadRequestError) as refused:
-            open_key.chat.completions.create(model="gpt-4.1", messages=bad, max_tokens=5)
-        assert "lone UTF-16 surrogate" in refused.value.message
+        request = urllib.request.Request(f"http://{server.http_url}/v1/chat/completions", data=body, headers={
+            "Content-Type": "application/json", "Authorization": f"Bearer {SECRETS['open']}"})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=30)
+        error = json.loads(refused.value.read())["error"]
+        assert refused.value.code == 400 and "lone UTF-16 surrogate" in error["message"], error
     assert gateway.requests == []  # no model was tried
     status, _, body = http_route(server.http_url, "code_generation",
                                  {"text": "hi \ud800", "max_tokens": 5}, secret=SECRETS["open"])
