@@ -20,6 +20,9 @@ from triton_pipelines.openai_api.replies import error_reply, reply
 from triton_pipelines.openai_api.triton_grpc import Triton
 from triton_pipelines.openai_api.triton_http import TritonHttp
 
+# /v1's own health through the public port, for probes: no key (docs/openai.md).
+HEALTH_PATH = "/v1/health"
+
 
 class Frontend:
     def __init__(self, triton: Triton, catalog: proto.ModelCatalog, keys: KeyRing | None, token_counter,
@@ -46,15 +49,15 @@ class Frontend:
         app.router.add_post("/v1/chat/completions", self.chat.chat_completions)
         app.router.add_get("/metrics", self.metrics_page)
         app.router.add_get("/health", self.health)
-        app.router.add_get("/v1/health", self.health)  # through the public port: is /v1 up (docs/openai.md)
+        app.router.add_get(HEALTH_PATH, self.health)  # through the public port: is /v1 up (docs/openai.md)
         return app
 
     async def middleware(self, app, handler):
         from aiohttp import web
 
         async def handle(request):
-            if not request.path.startswith("/v1"):
-                return await handler(request)
+            if not request.path.startswith("/v1") or request.path == HEALTH_PATH:
+                return await handler(request)  # health is for probes: no key, not counted
             started = time.perf_counter()
             endpoint = request.path.split("?")[0]
             if request.match_info.route.resource is None or endpoint.startswith("/v1/models/"):

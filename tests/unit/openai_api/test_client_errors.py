@@ -202,3 +202,11 @@ def test_wrong_types_and_huge_numbers_over_http_are_400_naming_the_field():
     answers = exchange([request("/v1/chat/completions", body, "application/json") for body, _ in bodies])
     for (status, answer), (_, param) in zip(answers, bodies):
         assert status == 400 and answer["error"]["param"] == param, answer
+
+
+def test_v1_health_needs_no_key_and_everything_else_under_v1_does():
+    """/v1/health is for probes (through the public port): no key; /v1/models with no key is 401."""
+    answers = exchange([b"GET /v1/health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+                        b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"])
+    assert answers[0] == (200, {"status": "ok"})
+    assert answers[1][0] == 401
