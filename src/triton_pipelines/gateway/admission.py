@@ -48,12 +48,19 @@ class Admission:
         if self.ledger is None:
             return None
         limits = plan.limits
+        admitted = asyncio.ensure_future(asyncio.to_thread(
+            self.ledger.admit, limits, request_id=plan.request_id, task=task or "", model=model,
+            reserved_nusd=self.reserved(plan, model), reserved_tokens=plan.prompt_tokens + plan.max_tokens,
+            expires_in_s=remaining_s + self.reservation_margin_s,
+            counts_request=first, check_rates=first))
         try:
-            return await asyncio.to_thread(
-                self.ledger.admit, limits, request_id=plan.request_id, task=task or "", model=model,
-                reserved_nusd=self.reserved(plan, model), reserved_tokens=plan.prompt_tokens + plan.max_tokens,
-                expires_in_s=remaining_s + self.reservation_margin_s,
-                counts_request=first, check_rates=first)
+            return await asyncio.shield(admitted)
+        except asyncio.CancelledError:
+            # The caller left (a streamed chat's client) while the ledger admitted: the row exists once
+            # the thread is done. Settle it now, never sent and uncharged, instead of leaving it
+            # `reserved` (blocking budget, rpm and tpm until reaped, then charged in full).
+            await asyncio.shield(self._release(admitted))
+            raise
         except LimitExceeded as exceeded:
             reason = "over_budget" if exceeded.limit == "budget" else "rate_limited"
             self.recorder.refusal(limits.name, reason)
@@ -65,6 +72,14 @@ class Admission:
             self.log(f"gateway: spend ledger unavailable ({type(error).__name__}: {error})")
             raise RouteError("ledger_unavailable", "the spend ledger is unavailable, so the key's budget cannot "
                                                    "be checked: retry shortly") from None
+
+    async def _release(self, admitted: asyncio.Future) -> None:
+        """Settle the row an abandoned admission made (if it made one) as failed at no cost."""
+        try:
+            row = await admitted
+        except Exception:  # refused or the ledger failed: no row was made
+            return
+        await self.settle(row, "failed", cost_nusd=0, outcome="client_left")
 
     async def settle(self, row: int | None, status: str, **figures: Any) -> None:
         if row is None or self.ledger is None:
