@@ -22,6 +22,7 @@ from typing import Callable
 from tritonclient.grpc import model_config_pb2 as mc
 
 from triton_pipelines.pipelines.onnx_runner import LengthGrouping
+from triton_pipelines.repository.contract import Provenance
 from triton_pipelines.stub.heap import HEAP_KEEP_PARAMETER
 
 TARGETS = ("embedded", "gpu")
@@ -109,6 +110,9 @@ class ComputeModel:
     # (a text encoder: the tokenizer's truncation length). The memory planner sizes activations
     # with it; 0: not declared (the planner then needs --sequence-length MODEL=N).
     max_sequence_length: int = 0
+    # Where the weights came from: written into the config's parameters (``Provenance.config_parameters``)
+    # and the model table of ``.built``. The weights themselves are in ``source_key``.
+    provenance: Provenance | None = field(default=None, compare=False)
 
     @property
     def versions(self) -> tuple[int, ...]:
@@ -140,6 +144,8 @@ class ComputeModel:
         if self.extra_versions:
             config.version_policy.specific.versions.extend(self.versions)
         self._add_warmup(config, (1,))
+        for key, value in (self.provenance.config_parameters() if self.provenance else {}).items():
+            config.parameters[key].string_value = value
         if target == "embedded":
             config.backend = "python"
             config.instance_group.add(kind=mc.ModelInstanceGroup.KIND_CPU, count=self.embedded_instances)

