@@ -206,3 +206,25 @@ def postgres_server():
     server = PostgresServer()
     yield server
     server.stop()
+
+
+# A failed server test reports what the servers logged while it ran: CI keeps only the test output,
+# and a server that crashed (a signal, an abort) says so only in its log.
+LOG_TAIL_LINES = 60
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.when != "call" or not report.failed or item.get_closest_marker("server") is None:
+        return
+    started = time.time() - (call.duration or 0) - 5
+    for log in sorted(LOG_DIR.glob("*.log")):
+        try:
+            if log.stat().st_mtime < started:
+                continue
+            lines = log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+        except OSError:
+            continue
+        report.sections.append((f"server log {log.name} (last {len(lines)} lines)", "\n".join(lines)))
