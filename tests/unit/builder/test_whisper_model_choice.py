@@ -15,7 +15,7 @@ from repo_builder import ct2_whisper
 from repo_builder.__main__ import main as build, parse_context
 from repo_builder.export.whisper import WHISPER_SIZES, parameter_count
 from repo_builder.hub import WeightsError, resolve_model
-from repo_builder.speech_pipeline import (DEFAULT_MODELS, GPU_HUB_DEFAULT, SpeechPipeline, choose_source,
+from repo_builder.speech_pipeline import (DEFAULT_MODELS, GPU_HUB_DEFAULT, choose_source,
                                           default_architectures)
 from triton_pipelines.repository.contract import RANDOM_WEIGHTS_WARNING, Provenance
 
