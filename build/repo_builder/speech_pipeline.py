@@ -22,7 +22,7 @@ from pathlib import Path
 
 from tritonclient.grpc import model_config_pb2 as mc
 
-from triton_pipelines.pipelines.speech.config import CONFIG_PARAMETERS
+from triton_pipelines.pipelines.speech.config import CONFIG_PARAMETERS, MAX_TARGET_POSITIONS
 from triton_pipelines.pipelines.speech.decoding import cross_names
 from triton_pipelines.repository.contract import Provenance
 from triton_pipelines.stub.heap import HEAP_KEEP_PARAMETER
@@ -142,8 +142,13 @@ def checkpoint_source(resolved: ResolvedModel, spec: str, reason: str) -> Whispe
     arch = {key: config[key] for key in WHISPER_SIZES["base"]}
     if arch["vocab_size"] not in VOCAB_SIZES or arch["num_mel_bins"] not in MEL_BINS:
         raise WeightsError(f"{FLAG} {spec}: vocab_size {arch['vocab_size']} and {arch['num_mel_bins']} mel bins; the "
-                           f"speech pipeline serves the multilingual tokenizer (vocab_size {' or '.join(map(str, VOCAB_SIZES))}, "
-                           f"not an English-only .en model) with {' or '.join(map(str, MEL_BINS))} mel bins")
+                           "speech pipeline serves the multilingual tokenizer (vocab_size "
+                           f"{' or '.join(map(str, VOCAB_SIZES))}, not an English-only .en model) with "
+                           f"{' or '.join(map(str, MEL_BINS))} mel bins")
+    positions = (config.get("max_source_positions", ENCODER_POSITIONS), config.get("max_target_positions", MAX_TARGET_POSITIONS))
+    if positions != (ENCODER_POSITIONS, MAX_TARGET_POSITIONS):
+        raise WeightsError(f"{FLAG} {spec}: max_source_positions/max_target_positions {positions[0]}/{positions[1]}; "
+                           f"the speech pipeline windows 30 s of audio: {ENCODER_POSITIONS}/{MAX_TARGET_POSITIONS}")
     provenance = replace(resolved.provenance, architecture=describe_architecture(arch),
                          parameters=parameter_count(arch), reason=reason)
     return WhisperSource("checkpoint", size=size_name(arch) or "base", checkpoint=resolved.path, provenance=provenance)
@@ -182,8 +187,8 @@ def choose_source(target: str, spec: str | None = None, *, resolve=resolve_model
 
 
 def default_architectures(target: str) -> list[str]:
-    """The ``WHISPER_SIZES`` a default build of ``target`` may resolve to (the largest sizes the
-    committed deployment files)."""
+    """The ``WHISPER_SIZES`` a default build of ``target`` may resolve to (the largest of them
+    sizes the committed deployment files)."""
     return [DEFAULT_ARCHITECTURES[candidate] for candidate in DEFAULT_MODELS[target]]
 
 

@@ -107,6 +107,11 @@ def test_a_checkpoint_the_runtime_cannot_serve_is_refused(tmp_path):
     (tmp_path / "en" / "config.json").write_text(json.dumps({**TINY, "model_type": "whisper", "vocab_size": 51864}))
     with pytest.raises(WeightsError, match="English-only"):
         choose_source("embedded", str(tmp_path / "en"))
+    (tmp_path / "short").mkdir()
+    (tmp_path / "short" / "config.json").write_text(json.dumps({**TINY, "model_type": "whisper",
+                                                                "max_source_positions": 750}))
+    with pytest.raises(WeightsError, match="1500/448"):
+        choose_source("embedded", str(tmp_path / "short"))
     (tmp_path / "empty").mkdir()
     with pytest.raises(WeightsError, match="no config.json"):
         choose_source("embedded", str(tmp_path / "empty"))
