@@ -57,7 +57,12 @@ def main(argv=None) -> None:
         from .planner.cli import main as plan
 
         sys.exit(plan(argv[1:]))
-    build_repository(*parse_context(argv))
+    from triton_pipelines.errors import ConfigError
+
+    try:
+        build_repository(*parse_context(argv))
+    except ConfigError as error:  # e.g. a model asked for that cannot be had (hub.WeightsError): one line
+        sys.exit(f"repo_builder: {error}")
 
 
 if __name__ == "__main__":

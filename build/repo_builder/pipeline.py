@@ -9,7 +9,7 @@ graph surgery) lives in ``repo_builder.export``, not here.
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
@@ -24,6 +24,9 @@ class BuildContext:
     output: Path
     args: argparse.Namespace
     root: Path  # the project: python_models/, ensembles/, data/ (project.find_project_root)
+    # The weights each pipeline resolved for this build (by its own key): resolved, fetched and
+    # printed once, however often the build asks.
+    weights: dict = field(default_factory=dict, repr=False, compare=False)
 
     def compute_dir(self, name: str) -> Path:
         return self.output / name / "1"

@@ -130,7 +130,8 @@ def compute_models_of(context: BuildContext, pipelines: list[Pipeline]) -> list[
 def planned_shm(context: BuildContext, pipelines: list[Pipeline]) -> dict[str, int]:
     """``planner.shm.shm_needs`` of the repository this context would build, from the descriptions and
     source configs alone (nothing exported): how the committed /dev/shm sizes of docker-compose.yml
-    and deploy/k8s are checked for a target this machine does not build (gpu, Whisper large-v3)."""
+    and deploy/k8s are checked for a target this machine does not build (gpu: its largest default, Whisper
+    large-v3, planned by its architecture)."""
     from .planner.shm import shm_needs
 
     configs, bounds = {}, {}

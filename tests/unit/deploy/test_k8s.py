@@ -240,12 +240,18 @@ def test_adapter_query_gives_each_pods_p99_queue_time_in_seconds(tmp_path):
 
 
 def test_init_container_has_the_memory_its_whisper_export_needs():
-    """8Gi was OOMKilled exporting large-v3 (~6.2 GB of fp32 weights, held about three times)."""
-    from repo_builder.export.whisper import export_memory_bytes
+    """8Gi was OOMKilled exporting large-v3 (~6.2 GB of fp32 weights, held about three times): the
+    default gpu build exports it wherever the hub can be reached."""
+    from repo_builder.export.whisper import WHISPER_SIZES, export_memory_bytes
+    from repo_builder.speech_pipeline import default_architectures
 
     (builder,) = manifests()["Deployment"]["spec"]["template"]["spec"]["initContainers"]
     command = builder["command"]
-    size = command[command.index("--whisper-size") + 1] if "--whisper-size" in command else "large-v3"
+    assert "--whisper-size" not in command  # random weights: benchmarks only
+    spec = command[command.index("--whisper-model") + 1] if "--whisper-model" in command else "default"
+    sizes = default_architectures("gpu") if spec == "default" else [spec.removeprefix("random:")]
+    assert set(sizes) <= set(WHISPER_SIZES), f"size the init container's memory for {spec}"
+    size = max(sizes, key=export_memory_bytes)
     limit = builder["resources"]["limits"]["memory"]
     assert limit.endswith("Gi") and int(limit[:-2]) << 30 >= export_memory_bytes(size)
     assert builder["resources"]["requests"]["memory"] == limit  # scheduled where it fits
@@ -260,3 +266,21 @@ def test_images_are_mapped_to_a_registry_by_kustomize():
         name = container["image"].split(":")[0]
         assert name in mapped and "/" in mapped[name]["newName"] and mapped[name]["newTag"] != "latest"
     assert "docker push" in (K8S / "kustomization.yaml").read_text()
+
+
+def test_the_builders_keep_the_hugging_face_cache_in_a_volume_and_ask_for_no_random_weights():
+    """Issue 32: a model fetched by id is downloaded once (the cache volume where HF_HOME points, in
+    both compose builders and the init container), and no default build serves random weights."""
+    compose = load_yaml(PROJECT_ROOT / "docker-compose.yml")
+    for name in ("repository-builder", "repository-builder-cpu"):
+        service = compose["services"][name]
+        home = service["environment"]["HF_HOME"]
+        (mount,) = [v for v in service["volumes"] if v.endswith(":" + home)]
+        assert mount.split(":")[0] in compose["volumes"], mount  # a named volume, not the working copy
+        assert not any(arg == "--whisper-size" or "random:" in arg for arg in service["command"]), name
+    pod = manifests()["Deployment"]["spec"]["template"]["spec"]
+    (builder,) = pod["initContainers"]
+    home = {variable["name"]: variable.get("value") for variable in builder["env"]}["HF_HOME"]
+    volume = {m["mountPath"]: m["name"] for m in builder["volumeMounts"]}[home]
+    assert volume in {v["name"] for v in pod["volumes"]}
+    assert not any(arg == "--whisper-size" or "random:" in arg for arg in builder["command"])

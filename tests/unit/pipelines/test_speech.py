@@ -453,7 +453,7 @@ def test_transcript_outputs(tokenizer):
 # --- builder: both targets from one description (large-v3 is described, never exported here) -----
 
 
-def test_gpu_target_defaults_to_large_v3_configs_without_exporting():
+def test_gpu_target_describes_large_v3_configs_without_exporting(monkeypatch, tmp_path):
     import argparse
 
     from tritonclient.grpc import model_config_pb2 as mc
@@ -461,9 +461,12 @@ def test_gpu_target_defaults_to_large_v3_configs_without_exporting():
     from repo_builder.pipeline import BuildContext
     from repo_builder.speech_pipeline import SpeechPipeline
 
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # no hub, an empty cache: the gpu default falls back
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
     pipeline = SpeechPipeline()
-    args = argparse.Namespace(whisper_size=None, whisper_checkpoint=None)
-    gpu = BuildContext(target="gpu", output=Path("/nonexistent"), args=args, root=Path.cwd())
+    context = lambda target, model=None: BuildContext(  # noqa: E731
+        target=target, output=Path("/nonexistent"), args=argparse.Namespace(whisper_model=model), root=Path.cwd())
+    gpu = context("gpu", "random:large-v3")  # the architecture of openai/whisper-large-v3, the gpu default
     encoder, decoder = pipeline.compute_models(gpu)
     encoder_config, decoder_config = encoder.config("gpu"), decoder.config("gpu")
     assert encoder_config.platform == decoder_config.platform == "onnxruntime_onnx"
@@ -473,7 +476,7 @@ def test_gpu_target_defaults_to_large_v3_configs_without_exporting():
     assert [t.name for t in decoder_config.input][:2] == ["input_ids", "past_self_kv"]
     assert list(decoder_config.input[1].dims) == [64, 20, -1, 64] and len(decoder_config.input) == 66
     assert list(decoder_config.output[0].dims) == [51866]
-    embedded = BuildContext(target="embedded", output=Path("/nonexistent"), args=args, root=Path.cwd())
+    embedded = context("embedded")
     base_encoder, base_decoder = pipeline.compute_models(embedded)  # the default: real Whisper base
     assert base_encoder.config("embedded").backend == "python"
     # one description: same tensors on both targets; on the embedded target the cross K/V are
@@ -488,11 +491,13 @@ def test_gpu_target_defaults_to_large_v3_configs_without_exporting():
     assert not any(t.optional for t in gpu_inputs)
     assert base_decoder.config("embedded").parameters["cached_inputs"].string_value == ",".join(cross_names(6))
     assert pipeline.model_table(gpu)[0]["architecture"].startswith("Whisper large-v3")
-    assert "random" in pipeline.model_table(gpu)[0]["weights"]
+    assert pipeline.model_table(gpu)[0]["random"]
     assert pipeline.model_table(embedded)[0]["architecture"].startswith("Whisper base")
-    assert pipeline.model_table(embedded)[0]["weights"].startswith("OpenAI Whisper base")
+    assert pipeline.model_table(embedded)[0]["kind"] == "package"
+    # the gpu default without a hub: the packaged real base, with its configs
+    assert [row["kind"] for row in pipeline.model_table(context("gpu"))] == ["package", "package"]
+    assert list(pipeline.compute_models(context("gpu"))[0].config("gpu").input[0].dims) == [80, 3000]
     # an explicit size: that architecture with random weights (fast tests)
-    tiny = BuildContext(target="embedded", output=Path("/nonexistent"),
-                        args=argparse.Namespace(whisper_size="tiny", whisper_checkpoint=None), root=Path.cwd())
+    tiny = context("embedded", "random:tiny")
     assert pipeline.compute_models(tiny)[1].source_key != base_decoder.source_key
     assert list(pipeline.compute_models(tiny)[1].config("embedded").input[1].dims) == [8, 6, -1, 64]
