@@ -57,7 +57,12 @@ def main(argv=None) -> None:
         from .planner.cli import main as plan
 
         sys.exit(plan(argv[1:]))
-    build_repository(*parse_context(argv))
+    from triton_pipelines.errors import ConfigError
+
+    try:
+        build_repository(*parse_context(argv))
+    except ConfigError as error:  # weights that cannot be had, a bad config: one line, no traceback
+        sys.exit(f"[repo_builder] error: {error}")
 
 
 if __name__ == "__main__":

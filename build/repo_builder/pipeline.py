@@ -9,7 +9,7 @@ graph surgery) lives in ``repo_builder.export``, not here.
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
@@ -24,6 +24,14 @@ class BuildContext:
     output: Path
     args: argparse.Namespace
     root: Path  # the project: python_models/, ensembles/, data/ (project.find_project_root)
+    # What a pipeline resolved once per build (e.g. weights fetched by id), by the pipeline's key.
+    resolved: dict = field(default_factory=dict, repr=False)
+
+    def once(self, key: str, make):
+        """``make()`` the first time ``key`` is asked for in this build, the same value after."""
+        if key not in self.resolved:
+            self.resolved[key] = make()
+        return self.resolved[key]
 
     def compute_dir(self, name: str) -> Path:
         return self.output / name / "1"
