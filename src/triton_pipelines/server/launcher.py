@@ -106,6 +106,7 @@ class Launcher:
         self.stdout, self.stderr = stdout, stderr
         # Our log lines go where the server's do (a log file in tests, the terminal otherwise).
         self._log_fd = stderr.fileno() if hasattr(stderr, "fileno") else sys.stderr.fileno()
+        log_model_table(options.model_repository, self.log)
         embedded = options.tritonserver is None
         if not embedded and options.backend_dir is None:
             raise ValueError("--tritonserver needs --backend-dir (the server's own backends)")
@@ -372,6 +373,17 @@ def start_on_free_ports(model_repository: Path, log_path: Path, extra_args: list
         sys.stderr.write(log_path.read_text(errors="replace")[-5000:])
         raise
     return server
+
+
+def log_model_table(model_repository: Path, log) -> None:
+    """The start-up log's model table: what each compute model serves, from which weights
+    (``BuiltManifest.weights_log``; a random one says so loudly). Nothing for an unstamped repository."""
+    try:
+        lines = BuiltManifest.read(model_repository).weights_log()
+    except (OSError, ValueError):
+        return
+    for line in lines:
+        log(line)
 
 
 def shm_shortfall(model_repository: Path, replicas: int = 1, shm: str = "/dev/shm") -> str | None:
