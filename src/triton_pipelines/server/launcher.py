@@ -106,7 +106,6 @@ class Launcher:
         self.stdout, self.stderr = stdout, stderr
         # Our log lines go where the server's do (a log file in tests, the terminal otherwise).
         self._log_fd = stderr.fileno() if hasattr(stderr, "fileno") else sys.stderr.fileno()
-        log_model_table(options.model_repository, self.log)
         embedded = options.tritonserver is None
         if not embedded and options.backend_dir is None:
             raise ValueError("--tritonserver needs --backend-dir (the server's own backends)")
@@ -173,6 +172,7 @@ class Launcher:
             listen_address=options.listen_address, model_repository=str(options.model_repository.resolve()),
             shm_prefix=first.shm_prefix).write(self.state_dir)
         self.supervisor = threading.Thread(target=self._supervise, name="supervisor", daemon=True)
+        log_model_table(options.model_repository, self.log)  # what each compute model serves, from which weights
 
     def log(self, message: str) -> None:
         os.write(self._log_fd, f"[launcher] {message}\n".encode())
