@@ -124,7 +124,7 @@ def test_a_model_by_id_serves_its_own_pooling_tokenizer_and_width(hub_env, tmp_p
     assert built.compute_models["text_encoder"].max_sequence_length == max_length  # the planner's bound
 
     embedding, tokenizer = served_embeddings(repository, TEXTS)
-    expected, batch = reference(snapshot, TEXTS, pooling, normalize, max_length)
+    expected, _ = reference(snapshot, TEXTS, pooling, normalize, max_length)
     assert tokenizer.max_length == max_length and embedding.shape == (len(TEXTS), width)
     np.testing.assert_allclose(embedding, expected, atol=2e-5)
     norms = np.linalg.norm(embedding, axis=1)
