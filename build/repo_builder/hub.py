@@ -79,12 +79,21 @@ class HubSettings:
                    token=env.get("HF_TOKEN") or env.get("HUGGING_FACE_HUB_TOKEN") or None)
 
 
+# (real path, size, mtime) → sha256: a build hashes each weight file once (checks, provenance).
+_HASHED: dict[tuple[str, int, int], str] = {}
+
+
 def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+    real = os.path.realpath(path)
+    stat = os.stat(real)
+    key = (real, stat.st_size, stat.st_mtime_ns)
+    if key not in _HASHED:
+        digest = hashlib.sha256()
+        with open(real, "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+        _HASHED[key] = digest.hexdigest()
+    return _HASHED[key]
 
 
 def weight_files(folder: Path, patterns: Sequence[str] = WEIGHT_PATTERNS) -> tuple[tuple[str, str], ...]:
