@@ -61,8 +61,8 @@ def main(argv=None) -> None:
 
     try:
         build_repository(*parse_context(argv))
-    except ConfigError as error:  # e.g. a model asked for that cannot be had (hub.WeightsError): one line
-        sys.exit(f"repo_builder: {error}")
+    except ConfigError as error:  # weights that cannot be had, a bad config: one line, no traceback
+        sys.exit(f"[repo_builder] error: {error}")
 
 
 if __name__ == "__main__":

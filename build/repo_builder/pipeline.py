@@ -24,9 +24,14 @@ class BuildContext:
     output: Path
     args: argparse.Namespace
     root: Path  # the project: python_models/, ensembles/, data/ (project.find_project_root)
-    # The weights each pipeline resolved for this build (by its own key): resolved, fetched and
-    # printed once, however often the build asks.
-    weights: dict = field(default_factory=dict, repr=False, compare=False)
+    # What a pipeline resolved once per build (e.g. weights fetched by id), by the pipeline's key.
+    resolved: dict = field(default_factory=dict, repr=False)
+
+    def once(self, key: str, make):
+        """``make()`` the first time ``key`` is asked for in this build, the same value after."""
+        if key not in self.resolved:
+            self.resolved[key] = make()
+        return self.resolved[key]
 
     def compute_dir(self, name: str) -> Path:
         return self.output / name / "1"

@@ -21,7 +21,8 @@ import time
 from importlib.metadata import version
 from pathlib import Path
 
-from triton_pipelines.repository.contract import BuiltManifest, ComputeModelFacts, variant_name
+from triton_pipelines.repository.contract import BuiltManifest, ComputeModelFacts, parse_variant_name, variant_name
+from triton_pipelines.repository.ensemble_graph import EnsembleGraph
 
 from .compute import ComputeModel
 from .files import is_fresh, make_readable, mark_fresh, read_config, replace_dir, write_config
@@ -152,6 +153,31 @@ def planned_shm(context: BuildContext, pipelines: list[Pipeline]) -> dict[str, i
     return shm_needs(configs, bounds)
 
 
+def model_table(context: BuildContext, pipelines: list[Pipeline], compute_models: list[ComputeModel],
+                built: list[str], public: list[str]) -> list[dict]:
+    """``.built``'s model table: a row per compute model from its provenance (``Provenance.row``),
+    with ``served_by``, the public models that reach it; then the pipelines' own rows
+    (``Pipeline.model_table``) for what has no provenance (the router, canaries)."""
+    rows = [model.provenance.row(model.name) for model in compute_models if model.provenance]
+    graph = EnsembleGraph.from_configs({name: read_config(context.output / name / "config.pbtxt") for name in built})
+    for row in rows:
+        row["served_by"] = sorted(name for name in public if name == row["model"] or row["model"] in {
+            parse_variant_name(reached).base for reached in graph.reached(name)})
+    covered = {row["model"] for row in rows}
+    return rows + [row for pipeline in pipelines for row in pipeline.model_table(context) if row["model"] not in covered]
+
+
+def weights_lines(compute_models: list[ComputeModel], rows: list[dict]) -> list[str]:
+    """The builder's line per compute model: ``<model>: <weights> (<why>)``."""
+    by_model = {row["model"]: row for row in rows}
+    lines = []
+    for model in compute_models:
+        row = by_model.get(model.name, {})
+        why = row.get("reason") or ""
+        lines.append(f"{model.name}: {row.get('weights', 'weights not recorded')}" + (f" ({why})" if why else ""))
+    return lines
+
+
 def is_ensemble(model_dir: Path) -> bool:
     return read_config(model_dir / "config.pbtxt").platform == "ensemble"
 
@@ -182,9 +208,11 @@ def build_repository(context: BuildContext, pipelines: list[Pipeline]) -> list[s
             log(f"removing {stale.name}: no longer built")
             shutil.rmtree(stale)
     compile_model_files(context.output)
-    rows = [row for pipeline in pipelines for row in pipeline.model_table(context)]
     entry_points = {name for pipeline in pipelines for name in pipeline.entry_points}
     public = sorted(name for name in built if name in entry_points or is_ensemble(context.output / name))
+    rows = model_table(context, pipelines, compute_models, built, public)
+    for line in weights_lines(compute_models, rows):
+        log(line)
     stamp = BuiltManifest(target=context.target, models=built, public_models=public, model_table=rows,
                           compute_models={model.name: compute_model_facts(model) for model in compute_models})
     stamp.write(context.output)

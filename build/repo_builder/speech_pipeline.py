@@ -280,14 +280,14 @@ class SpeechPipeline(Pipeline):
 
     def source(self, context: BuildContext) -> WhisperSource:
         """Resolved once per build (a hub look-up), and said once."""
-        if "whisper" not in context.weights:
+        def choose() -> WhisperSource:
             from .repository import log
 
             source = choose_source(context.target, getattr(context.args, "whisper_model", None))
-            context.weights["whisper"] = source
             provenance = source.provenance
             log(f"whisper: {provenance.reason}: {provenance.architecture}, {provenance.weights_line()}")
-        return context.weights["whisper"]
+            return source
+        return context.once("whisper", choose)
 
     def architecture(self, context: BuildContext) -> dict:
         return whisper_config_dict(self.source(context))

@@ -84,6 +84,18 @@ def test_models_lists_pipelines_and_gateway_models_with_their_owner(client):
         client.models.retrieve("no-such-model")
 
 
+def test_a_self_hosted_model_carries_the_provenance_of_its_compute_models(client):
+    from triton_pipelines.repository.contract import BuiltManifest
+
+    rows = {row["model"]: row for row in BuiltManifest.read(ensure_repository()).model_table}
+    entry = client.models.retrieve("text_embedding").to_dict()
+    assert {"id", "object", "created", "owned_by"} <= set(entry)
+    served = {item["model"]: item for item in entry["provenance"]}
+    assert served["text_encoder"]["source"] == rows["text_encoder"]["source"]
+    assert served["text_encoder"]["files"] == rows["text_encoder"]["files"] and not served["text_encoder"]["random"]
+    assert "provenance" not in client.models.retrieve("gpt-4.1").to_dict()
+
+
 @pytest.mark.parametrize("key", [None, "wrong-key-0123456789", KEY[:-1]])
 def test_a_missing_or_unknown_key_is_401_and_never_echoed(server, key):
     headers = {"Content-Type": "application/json"}

@@ -182,3 +182,22 @@ def test_server_and_models_are_healthy_afterwards(client):
     for model in ("text_tokenizer", "text_encoder", "intent_classifier",
                   "text_embedding", "text_classification"):
         assert client.is_model_ready(model), model
+
+
+def test_the_encoders_config_carries_the_provenance_of_its_weights(triton_server):
+    """/v2/models/text_encoder/config (through the public front) says where the weights came from,
+    as .built's model table does."""
+    import json
+    import urllib.request
+
+    from triton_pipelines.repository.contract import BuiltManifest
+
+    from tests.conftest import ensure_repository
+
+    (row,) = [r for r in BuiltManifest.read(ensure_repository()).model_table if r["model"] == "text_encoder"]
+    with urllib.request.urlopen(f"http://{triton_server.http_url}/v2/models/text_encoder/config", timeout=30) as reply:
+        config = json.loads(reply.read())
+    parameters = {key: value["string_value"] for key, value in config["parameters"].items()}
+    assert parameters["weights_kind"] == row["kind"] and parameters["weights_source"] == row["source"]
+    assert parameters["weights_sha256"] == ",".join(f"{name}={digest}" for name, digest in row["files"])
+    assert parameters["architecture"] == row["architecture"] and "random_weights" not in parameters

@@ -6,23 +6,33 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def export_bert(checkpoint: Path | None, onnx_path: Path, random_seed: int = 0) -> None:
-    """BertModel → ONNX (legacy exporter, opset 17) with dynamic batch and sequence axes. Outputs:
-    ``last_hidden_state`` and ``embedding``, the sentence-transformers pooling (mean of the token
-    states under the mask, unit L2 norm: ``text.mean_pool_normalize`` is the reference) as graph
-    ops, so the served pipeline has no Python hop after the encoder and ONNX Runtime computes only
-    what a caller asks for.
+POOLINGS = ("mean", "cls")
+
+
+def export_bert(checkpoint: Path | None, onnx_path: Path, random_seed: int = 0, pooling: str = "mean",
+                normalize: bool = True) -> None:
+    """A BERT-family encoder (``AutoModel``) → ONNX (legacy exporter, opset 17) with dynamic batch
+    and sequence axes. Outputs: ``last_hidden_state`` and ``embedding``, the model's
+    sentence-transformers pooling as graph ops (``pooling``: "mean" of the token states under the
+    mask, or the "cls" token's state; then the unit L2 norm if ``normalize``:
+    ``text.mean_pool_normalize`` is the reference of the default), so the served pipeline has no
+    Python hop after the encoder and ONNX Runtime computes only what a caller asks for.
 
     ``checkpoint=None`` builds bert-base-uncased's architecture with deterministic random weights.
     """
     import torch
-    from transformers import BertConfig, BertModel
+    from transformers import AutoModel, BertConfig, BertModel
 
+    if pooling not in POOLINGS:
+        raise ValueError(f"unknown pooling {pooling!r}; one of {POOLINGS}")
     if checkpoint is None:
         torch.manual_seed(random_seed)
         model = BertModel(BertConfig(), add_pooling_layer=False)
     else:
-        model = BertModel.from_pretrained(str(checkpoint), add_pooling_layer=False)
+        try:  # BERT, RoBERTa, MPNet ...: their pooler (the classification head's) is not the sentence pooling
+            model = AutoModel.from_pretrained(str(checkpoint), add_pooling_layer=False)
+        except TypeError:
+            model = AutoModel.from_pretrained(str(checkpoint))
     model.eval()
 
     class EncoderWithPooling(torch.nn.Module):
@@ -32,8 +42,13 @@ def export_bert(checkpoint: Path | None, onnx_path: Path, random_seed: int = 0) 
 
         def forward(self, input_ids, attention_mask):
             hidden = self.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-            mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
-            pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
+            if pooling == "cls":
+                pooled = hidden[:, 0]
+            else:
+                mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
+                pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
+            if not normalize:
+                return hidden, pooled
             return hidden, pooled / torch.linalg.vector_norm(pooled, dim=1, keepdim=True).clamp(min=1e-12)
 
     ids = torch.ones((2, 16), dtype=torch.int64)

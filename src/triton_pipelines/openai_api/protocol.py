@@ -230,19 +230,29 @@ class ModelCatalog:
     gateway: tuple[str, ...] = ()
     aliases: Mapping[str, str] = field(default_factory=lambda: dict(ALIASES))
     created: int = 0
+    # self-hosted model → the provenance of the compute models behind it (``BuiltManifest.provenance_of``)
+    provenance: Mapping[str, list] = field(default_factory=dict)
 
     @classmethod
-    def build(cls, public_models: Iterable[str] | None, gateway_models: Iterable[str], created: int = 0) -> "ModelCatalog":
+    def build(cls, public_models: Iterable[str] | None, gateway_models: Iterable[str], created: int = 0,
+              provenance: Mapping[str, list] | None = None) -> "ModelCatalog":
         public = set(public_models) if public_models is not None else set(SELF_HOSTED_MODELS)
         hosted = tuple(m for m in SELF_HOSTED_MODELS if m in public)
         aliases = {alias: target for alias, target in ALIASES.items() if target in hosted}
-        return cls(hosted, tuple(sorted(set(gateway_models))), aliases, created)
+        return cls(hosted, tuple(sorted(set(gateway_models))), aliases, created, dict(provenance or {}))
 
     def entries(self) -> list[dict]:
+        """OpenAI's model objects (``id``, ``object``, ``created``, ``owned_by``); a self-hosted one
+        adds ``provenance``: its compute models' weights (source, revision, sha256, licence ...)."""
         rows = [(name, SELF_HOSTED_OWNER) for name in self.self_hosted]
         rows += [(alias, SELF_HOSTED_OWNER) for alias in sorted(self.aliases)]
         rows += [(name, GATEWAY_OWNER) for name in self.gateway]
-        return [{"id": name, "object": "model", "created": self.created, "owned_by": owner} for name, owner in rows]
+        entries = [{"id": name, "object": "model", "created": self.created, "owned_by": owner} for name, owner in rows]
+        for entry in entries:
+            served = self.provenance.get(self.aliases.get(entry["id"], entry["id"]))
+            if served and entry["owned_by"] == SELF_HOSTED_OWNER:
+                entry["provenance"] = served
+        return entries
 
     def listing(self) -> dict:
         return {"object": "list", "data": self.entries()}

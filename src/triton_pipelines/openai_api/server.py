@@ -76,11 +76,13 @@ async def serve(args: argparse.Namespace) -> None:
     from triton_pipelines.pipelines.speech.config import LANGUAGE_CODES
 
     try:
-        public = BuiltManifest.read(args.model_repository).public_models
+        built = BuiltManifest.read(args.model_repository)
     except (OSError, ValueError):
-        public = None
+        built = None
     table = route_table(args.model_repository)
-    catalog = proto.ModelCatalog.build(public, table.prices if table else (), created=int(time.time()))
+    catalog = proto.ModelCatalog.build(
+        built.public_models if built else None, table.prices if table else (), created=int(time.time()),
+        provenance={name: built.provenance_of(name) for name in proto.SELF_HOSTED_MODELS} if built else None)
     gateway = None
     if table is not None:
         from triton_pipelines.gateway.service import GatewayService

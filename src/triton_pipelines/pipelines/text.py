@@ -11,6 +11,7 @@ How mixed lengths share a batch (docs/design.md, "Batching requests of different
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -30,11 +31,12 @@ MAX_BATCH_TOKENS = 4096
 # of a shared CPU for a result truncated to 256 tokens anyway.
 # The parameters the builder writes into text_tokenizer's config.pbtxt (the source names none of
 # them): these constants are the one place each value lives (docs/design.md, "Change a limit").
-# The tokenizer's length_buckets parameter depends on how the target's encoder batches, so the
-# builder writes it per target (text_pipeline.TextPipeline.patch_config): "none" (pad a request to its
-# longest text only) on the embedded target, LENGTH_BUCKETS on the gpu target.
+# Two depend on what is built, so the builder writes them itself (text_pipeline.TextPipeline.patch_config):
+# length_buckets, per target's encoder batching ("none": pad a request to its longest text only, on the
+# embedded target; LENGTH_BUCKETS on the gpu target), and max_sequence_length, the served model's own
+# truncation (its sentence_bert_config.json ...; MAX_SEQUENCE_LENGTH when its files state none).
 CONFIG_PARAMETERS = {
-    "text_tokenizer": {"max_sequence_length": MAX_SEQUENCE_LENGTH, "max_text_bytes": MAX_TEXT_BYTES},
+    "text_tokenizer": {"max_text_bytes": MAX_TEXT_BYTES},
 }
 
 
@@ -86,10 +88,17 @@ PREFIX_CHARS = 4096
 _SAFE_CUT = (" ", "\t", "\n", "\r")
 
 
+def pad_token_id(tokenizer, padding: Mapping | None) -> int:
+    """The model's padding id: its tokenizer.json's padding, else ``[PAD]`` (BERT) or ``<pad>``
+    (RoBERTa, MPNet), else 0. (Padded positions are masked: the id matters to position ids only.)"""
+    for found in ((padding or {}).get("pad_id"), tokenizer.token_to_id("[PAD]"), tokenizer.token_to_id("<pad>")):
+        if found is not None:
+            return int(found)
+    return 0
+
+
 def _is_bert_wordpiece(tokenizer) -> bool:
     """BertNormalizer + BertPreTokenizer + WordPiece: the pipeline whose prefix property holds."""
-    import json
-
     document = json.loads(tokenizer.to_str())
     return ((document.get("normalizer") or {}).get("type") == "BertNormalizer"
             and (document.get("pre_tokenizer") or {}).get("type") == "BertPreTokenizer"
@@ -104,11 +113,12 @@ class TextTokenizer:
         from tokenizers import Tokenizer
 
         self.tokenizer = Tokenizer.from_file(str(tokenizer_json))
+        padding = self.tokenizer.padding  # the model's own, before it is turned off here
         self.tokenizer.no_padding()
         self.tokenizer.enable_truncation(max_length=max_length)
         self.max_length = max_length
         self.buckets = tuple(b for b in buckets if b < max_length) + (max_length,) if buckets else ()
-        self.pad_id = self.tokenizer.token_to_id("[PAD]") or 0
+        self.pad_id = pad_token_id(self.tokenizer, padding)
         # Another tokenizer pipeline (a user's checkpoint) is tokenized whole.
         self.prefix_chars = prefix_chars if prefix_chars and _is_bert_wordpiece(self.tokenizer) else None
 
@@ -186,6 +196,12 @@ def mean_pool_normalize(hidden: np.ndarray, attention_mask: np.ndarray) -> np.nd
     return (pooled / norms).astype(np.float32)
 
 
+def unit_rows(vectors: np.ndarray) -> np.ndarray:
+    """Each row at unit L2 norm (a zero row stays zero)."""
+    vectors = np.asarray(vectors, np.float32)
+    return vectors / np.maximum(np.linalg.norm(vectors, axis=-1, keepdims=True), 1e-12)
+
+
 @dataclass
 class IntentPrototypes:
     """One unit vector per intent: the normalized mean of its example phrases' embeddings."""
@@ -197,7 +213,7 @@ class IntentPrototypes:
     @classmethod
     def from_examples(cls, labels: Sequence[str], example_embeddings: Sequence[np.ndarray],
                       temperature: float) -> "IntentPrototypes":
-        vectors = np.stack([np.asarray(e, np.float32).mean(axis=0) for e in example_embeddings])
+        vectors = np.stack([unit_rows(np.asarray(e, np.float32)).mean(axis=0) for e in example_embeddings])
         vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
         return cls(list(labels), vectors.astype(np.float32), float(temperature))
 
@@ -212,8 +228,9 @@ class IntentPrototypes:
                    float(data["temperature"]))
 
     def classify(self, embeddings: np.ndarray) -> tuple[list[str], np.ndarray]:
-        """Best intent per row and its probability: softmax over cosine / temperature."""
-        probabilities = softmax(embeddings @ self.vectors.T / self.temperature)
+        """Best intent per row and its probability: softmax over cosine / temperature (the rows are
+        normalized here: a model without a Normalize module embeds at any length)."""
+        probabilities = softmax(unit_rows(embeddings) @ self.vectors.T / self.temperature)
         best = probabilities.argmax(axis=1)
         return [self.labels[i] for i in best], probabilities[np.arange(len(best)), best]
 

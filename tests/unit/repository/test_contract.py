@@ -79,3 +79,36 @@ def test_layout_imports_nothing_heavy():
     loaded = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                                        check=True).stdout.replace("'", '"'))
     assert set(loaded) <= {"triton_pipelines"} | set(sys.stdlib_module_names), loaded
+
+
+# ------------------------------------------------------------------------------ weights provenance
+def _stamp_with_rows():
+    from triton_pipelines.repository.contract import BuiltManifest, Provenance
+
+    real = Provenance(kind="hub", source="BAAI/bge-small-en-v1.5", revision="a" * 40, architecture="BERT bge",
+                      licence="mit", parameters=33_400_000, files=(("model.safetensors", "b" * 64),))
+    noise = Provenance(kind="random", source="seed 0", architecture="bert-base-uncased")
+    rows = [dict(real.row("text_encoder"), served_by=["text_classification", "text_embedding"]),
+            dict(noise.row("bert_base_encoder"), served_by=[]),
+            {"model": "router", "architecture": "Python BLS router", "weights": "none (route file)"}]
+    return BuiltManifest(model_table=rows), real
+
+
+def test_the_model_table_rows_read_back_as_provenance_and_per_public_model():
+    from triton_pipelines.repository.contract import Provenance
+
+    stamp, real = _stamp_with_rows()
+    assert Provenance.from_row(stamp.model_table[0]) == real
+    assert Provenance.from_row(stamp.model_table[2]) is None
+    (served,) = stamp.provenance_of("text_embedding")
+    assert served["source"] == "BAAI/bge-small-en-v1.5" and served["revision"] == "a" * 40
+    assert "served_by" not in served and stamp.provenance_of("image_classification") == []
+
+
+def test_the_start_up_lines_name_the_weights_and_say_random_loudly():
+    stamp, _ = _stamp_with_rows()
+    real, noise, router = stamp.weights_log()
+    assert real == ("model text_encoder: real: Hugging Face BAAI/bge-small-en-v1.5@" + "a" * 40
+                    + " [BERT bge, licence mit, 33.4M parameters]")
+    assert noise.startswith("WARNING: bert_base_encoder serves RANDOM WEIGHTS: model bert_base_encoder: RANDOM WEIGHTS")
+    assert router == "model router: none (route file) [Python BLS router]"

@@ -107,3 +107,15 @@ def test_an_in_flight_limit_below_one_is_refused_at_start(capsys):
         launcher.main(["--model-repository", str(ensure_repository()), "--max-inflight", "0"])
     assert exit_info.value.code == 2
     assert "--max-inflight must be at least 1" in capsys.readouterr().err
+
+
+def test_the_start_up_log_prints_the_model_table(tmp_path):
+    from triton_pipelines.repository.contract import BuiltManifest, Provenance
+
+    random_row = Provenance(kind="random", source="seed 0", architecture="bert-base-uncased").row("bert_base_encoder")
+    BuiltManifest(model_table=[random_row]).write(tmp_path)
+    lines = []
+    launcher.log_model_table(tmp_path, lines.append)
+    assert len(lines) == 1 and lines[0].startswith("WARNING: bert_base_encoder serves RANDOM WEIGHTS")
+    launcher.log_model_table(tmp_path / "unbuilt", lines.append)
+    assert len(lines) == 1
