@@ -57,7 +57,13 @@ def main(argv=None) -> None:
         from .planner.cli import main as plan
 
         sys.exit(plan(argv[1:]))
-    build_repository(*parse_context(argv))
+    from triton_pipelines.errors import ConfigError
+
+    try:
+        build_repository(*parse_context(argv))
+    except ConfigError as error:  # a model that cannot be had, a bad flag value: one line, no traceback
+        print(f"repo_builder: {error}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -182,6 +182,8 @@ def build_repository(context: BuildContext, pipelines: list[Pipeline]) -> list[s
             shutil.rmtree(stale)
     compile_model_files(context.output)
     rows = [row for pipeline in pipelines for row in pipeline.model_table(context)]
+    for row in rows:  # which weights each compute model serves, and why
+        log(f"{row['model']}: {row['weights']}" + (f" ({row['reason']})" if row.get("reason") else ""))
     entry_points = {name for pipeline in pipelines for name in pipeline.entry_points}
     public = sorted(name for name in built if name in entry_points or is_ensemble(context.output / name))
     stamp = BuiltManifest(target=context.target, models=built, public_models=public, model_table=rows,
