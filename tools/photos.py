@@ -45,3 +45,12 @@ def top5_problem(name: str, class_ids, labels=()) -> str:
                     for i, label in zip(ids, list(labels) or [""] * len(ids)))
     return (f"{name} ({photo.content}): none of {sorted(photo.expected.values())} in the top {TOP_K}, "
             f"got [{got}]")
+
+
+def photo_problems(classify) -> list[str]:
+    """Every photo through ``classify`` (a list of JPEG bytes → (labels [n, k], class_ids [n, k]),
+    best first): one line per photo whose top 5 misses its classes; empty when all are right."""
+    names = list(PHOTOS)
+    labels, class_ids = classify([photo_jpeg(name) for name in names])
+    return [problem for name, row_labels, row_ids in zip(names, labels, class_ids)
+            if (problem := top5_problem(name, row_ids, row_labels))]

@@ -28,6 +28,7 @@ from .export import efficientnet, resnet
 from .files import hash_files
 
 DEFAULT_IMAGE_MODEL = "efficientnet-lite0"
+DEFAULT_MODEL_NAME = "efficientnet_lite0"  # its compute model
 RANDOM_PREFIX = "random:"
 RANDOM_ARCHITECTURES = ("resnet50",)
 FLAG = "--image-model"
@@ -86,7 +87,7 @@ def packaged_efficientnet_lite0() -> ImageModel:
     path = efficientnet.weights_path()  # size and sha256 checked
     source = f"{efficientnet.PACKAGE}=={efficientnet.PACKAGE_VERSION}"
     return ImageModel(
-        name="efficientnet_lite0",
+        name=DEFAULT_MODEL_NAME,
         preprocessing=Preprocessing(vision.RESIZE_SHORTER_SIDE, efficientnet.IMAGE_SIZE, efficientnet.MEAN,
                                     efficientnet.STD),
         labels=tuple(vision.imagenet_labels()),
