@@ -126,8 +126,9 @@ def resnet_checkpoint(spec: str) -> ImageModel:
     folder = resolved.path
     config = read_json(folder / "config.json", spec)
     if RESNET_ARCHITECTURE not in (config.get("architectures") or []) and config.get("model_type") != "resnet":
-        raise hub.WeightsError(f"{FLAG} {spec}: config.json describes {config.get('architectures') or config.get('model_type')}"
-                               f", not a {RESNET_ARCHITECTURE} checkpoint")
+        described = config.get("architectures") or config.get("model_type")
+        raise hub.WeightsError(f"{FLAG} {spec}: config.json describes {described}, not a {RESNET_ARCHITECTURE} "
+                               "checkpoint")
     depths = [int(d) for d in config.get("depths") or [3, 4, 6, 3]]
     layers = 2 + sum(depths) * (3 if config.get("layer_type", "bottleneck") == "bottleneck" else 2)
     labels = checkpoint_labels(config)

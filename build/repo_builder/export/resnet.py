@@ -29,7 +29,8 @@ def load_resnet(checkpoint: Path | None):
 
 
 def export_resnet(checkpoint: Path | None, image_size: int, onnx_path: Path) -> None:
-    """``pixel_values [B, 3, S, S]`` → ``logits [B, classes]`` (S: ``image_size``), legacy exporter, dynamic batch axis."""
+    """``pixel_values [B, 3, S, S]`` → ``logits [B, classes]`` (S: ``image_size``), legacy exporter,
+    dynamic batch axis."""
     import torch
 
     model = load_resnet(checkpoint)

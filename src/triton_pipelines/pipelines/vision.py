@@ -94,7 +94,8 @@ class PreprocessConfig:
             elif kind.startswith("tuple[float"):
                 numbers = tuple(float(part) for part in raw.split(","))
                 if len(numbers) != 3:
-                    raise ConfigError(f"image_preprocess parameter {name} must be 3 comma-separated numbers, got {raw!r}")
+                    raise ConfigError(f"image_preprocess parameter {name} must be 3 comma-separated numbers, "
+                                      f"got {raw!r}")
                 values[name] = numbers
         return cls(**values)
 

