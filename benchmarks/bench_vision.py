@@ -1,6 +1,10 @@
 """image_classification and resnet50 through Triton (perf_analyzer, gRPC, real JPEG payloads) next to
 the same work in-process (decode + preprocess + ONNX Runtime, same threads), and the time split
-(decode / transform / compute) from Triton's per-model statistics and the preprocess model's metrics."""
+(decode / transform / compute) from Triton's per-model statistics and the preprocess model's metrics.
+
+The tutorial's ResNet-50 at batch 32: ``make bench`` builds its repository with
+``--image-model random:resnet50`` (random weights, asked for by name: the timing does not depend on
+them, and the report says so)."""
 
 from __future__ import annotations
 

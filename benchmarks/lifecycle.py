@@ -37,8 +37,16 @@ ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data"
 
 
-def compute_inputs(arch_layers: int = 4) -> dict[str, dict[str, np.ndarray]]:
-    """Batch-1 requests of a typical shape for each compute model."""
+def image_classifier(repository: Path) -> str:
+    """The compute model image_classification runs (named for --image-model: efficientnet_lite0 by default)."""
+    from repo_builder.files import read_config
+    from triton_pipelines.repository.ensemble_graph import ensemble_steps
+
+    return ensemble_steps(read_config(repository / "image_classification" / "config.pbtxt"))[1].model
+
+
+def compute_inputs(classifier: str, arch_layers: int = 4) -> dict[str, dict[str, np.ndarray]]:
+    """Batch-1 requests of a typical shape for each compute model (``classifier``: the image classifier's name)."""
     rng = np.random.default_rng(0)
     decoder = {"input_ids": np.array([[50258, 50259, 50359, 50363]], np.int64),
                "past_self_kv": np.zeros((1, 2 * arch_layers, 6, 0, 64), np.float32)}
@@ -47,7 +55,7 @@ def compute_inputs(arch_layers: int = 4) -> dict[str, dict[str, np.ndarray]]:
         decoder[f"cross_value_{i}"] = rng.standard_normal((1, 6, 1500, 64), dtype=np.float32)
     return {
         "text_encoder": {"input_ids": np.full((1, 16), 2000, np.int64), "attention_mask": np.ones((1, 16), np.int64)},
-        "resnet50": {"pixel_values": rng.standard_normal((1, 3, 224, 224), dtype=np.float32)},
+        classifier: {"pixel_values": rng.standard_normal((1, 3, 224, 224), dtype=np.float32)},
         "whisper_encoder": {"input_features": rng.standard_normal((1, 80, 3000), dtype=np.float32)},
         "whisper_decoder": decoder,
     }
@@ -131,7 +139,7 @@ def start_times(repository: Path, thread_counts: tuple[int, ...]) -> str:
 def run(server, rounds: int, threads_table: str) -> str:
     bench = Bench(server)
     rows = []
-    for model, inputs in compute_inputs().items():
+    for model, inputs in compute_inputs(image_classifier(Path(server.options.model_repository))).items():
         results = {True: [], False: []}
         for _ in range(rounds):
             for warmup in (False, True):

@@ -111,6 +111,15 @@ def ensure_repository() -> Path:
     return MODEL_REPOSITORY
 
 
+def image_classifier(repository: Path | None = None) -> str:
+    """The compute model that the built repository's image_classification runs (the builder names it
+    for --image-model: efficientnet_lite0 by default)."""
+    from repo_builder.files import read_config
+
+    config = read_config((repository or ensure_repository()) / "image_classification" / "config.pbtxt")
+    return config.ensemble_scheduling.step[1].model_name
+
+
 @pytest.fixture(scope="session")
 def triton_server():
     if os.environ.get("TEST_SERVER_STATE"):
@@ -127,7 +136,7 @@ def compute_server():
     reload them with new instances (warm-up at load, the memory planner's measurements) use it, so
     the session server is not disturbed."""
     server = start_on_free_ports(ensure_repository(), LOG_DIR / "test-compute-server.log",
-                                 models=["text_encoder", "resnet50", "whisper_encoder", "whisper_decoder"],
+                                 models=["text_encoder", image_classifier(), "whisper_encoder", "whisper_decoder"],
                                  expose_internal_models=True)
     yield server
     server.stop()

@@ -32,7 +32,7 @@ from .compute import ComputeModel, LatencyVariant, TensorSpec
 from .export.whisper import (ENCODER_POSITIONS, N_FRAMES, RANDOM_INIT_STD, RANDOM_SEED, WHISPER_SIZES, WhisperSource,
                              describe_architecture, export_decoder, export_encoder, parameter_count, size_name,
                              whisper_config_dict)
-from .hub import ResolvedModel, WeightsError, resolve_model
+from .hub import ResolvedModel, WeightsError, resolve_model, resolve_optional
 from .pipeline import BuildContext, Pipeline
 
 FLAG = "--whisper-model"
@@ -93,15 +93,6 @@ def hub_arguments(spec: str) -> dict:
     """``hub.resolve_model``'s keywords for a Whisper id or folder."""
     licence = WHISPER_LICENCE if spec.startswith("openai/whisper-") else ""
     return dict(allow_patterns=list(WHISPER_ALLOW_PATTERNS), architecture=HF_ARCHITECTURE, licence=licence, flag=FLAG)
-
-
-def try_model(spec: str, **kwargs) -> ResolvedModel | str:
-    """The model, or the one line why it cannot be had (for a default build, which then falls back).
-    A stand-in for the hub's own optional resolution."""
-    try:
-        return resolve_model(spec, **kwargs)
-    except WeightsError as error:
-        return str(error)
 
 
 def random_spec(size: str) -> str:
@@ -168,7 +159,7 @@ def explicit_source(spec: str, resolve=resolve_model) -> WhisperSource:
     return checkpoint_source(resolve(spec, **hub_arguments(spec)), spec, reason)
 
 
-def choose_source(target: str, spec: str | None = None, *, resolve=resolve_model, attempt=try_model) -> WhisperSource:
+def choose_source(target: str, spec: str | None = None, *, resolve=resolve_model, attempt=resolve_optional) -> WhisperSource:
     """The weights of a build: ``spec`` (``--whisper-model``), else the first of the target's
     ``DEFAULT_MODELS`` that can be had; the provenance's ``reason`` says why (printed)."""
     if spec and spec != DEFAULT_SPEC:

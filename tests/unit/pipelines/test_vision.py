@@ -19,7 +19,7 @@ from google.protobuf import text_format
 from PIL import Image
 from tritonclient.grpc import model_config_pb2 as mc
 
-from triton_pipelines.errors import InputError
+from triton_pipelines.errors import ConfigError, InputError
 from triton_pipelines.pipelines.scoring import softmax, top_k
 from triton_pipelines.pipelines.vision import (
     IMAGENET_MEAN, IMAGENET_STD, Classifier, ImagePreprocessor, PreprocessConfig, center_crop_box,
@@ -289,6 +289,21 @@ def test_parse_top_k():
             parse_top_k({"top_k": bad})
 
 
+def test_the_recipe_comes_from_the_config_parameters():
+    """The builder writes the served classifier's recipe (vision_models.Preprocessing) as strings."""
+    config = PreprocessConfig.from_parameters({"mean": "0.5,0.5,0.5", "std": "0.25, 0.25, 0.25",
+                                               "resize_shorter_side": "182", "crop_size": "160", "jpeg_draft": "true"})
+    assert (config.mean, config.std, config.resize_shorter_side, config.crop_size, config.jpeg_draft) == (
+        (0.5, 0.5, 0.5), (0.25, 0.25, 0.25), 182, 160, True)
+    assert PreprocessConfig.from_parameters({}) == PreprocessConfig()
+    image = Image.new("RGB", (300, 200), (255, 128, 0))
+    pixels = preprocess_image(encode(image, "PNG"), config)
+    assert pixels.shape == (3, 160, 160)
+    np.testing.assert_allclose(pixels[:, 80, 80], [(1 - 0.5) / 0.25, (128 / 255 - 0.5) / 0.25, -2.0], atol=1e-6)
+    with pytest.raises(ConfigError, match="parameter mean must be 3 comma-separated numbers"):
+        PreprocessConfig.from_parameters({"mean": "0.5,0.5"})
+
+
 def test_imagenet_labels():
     labels = imagenet_labels()
     assert len(labels) == 1000
@@ -299,17 +314,17 @@ def test_imagenet_labels():
 # --- gpu target -----------------------------------------------------------------------------------
 
 
-def resnet_description(backend: str):
+def classifier_description(backend: str):
     from repo_builder.compute import ComputeModel, TensorSpec
 
-    return ComputeModel(name="resnet50", inputs=(TensorSpec("pixel_values", "TYPE_FP32", (3, 224, 224)),),
+    return ComputeModel(name="efficientnet_lite0", inputs=(TensorSpec("pixel_values", "TYPE_FP32", (3, 224, 224)),),
                         outputs=(TensorSpec("logits", "TYPE_FP32", (1000,)),), max_batch_size=32,
                         export_onnx=lambda path: None, gpu_backend=backend, trt_opt_batch_size=16)
 
 
 @pytest.mark.parametrize("backend", ["onnxruntime_onnx", "onnxruntime_trt", "tensorrt_plan"])
 def test_gpu_backend_configs_parse_as_model_config(backend):
-    config = resnet_description(backend).config("gpu")
+    config = classifier_description(backend).config("gpu")
     reparsed = text_format.Parse(text_format.MessageToString(config), mc.ModelConfig())
     assert reparsed == config
     assert reparsed.instance_group[0].kind == mc.ModelInstanceGroup.KIND_GPU
@@ -334,11 +349,11 @@ def test_gpu_backend_configs_parse_as_model_config(backend):
     assert [w.batch_size for w in reparsed.model_warmup] == [1]
     assert all(w.inputs["pixel_values"].zero_data for w in reparsed.model_warmup)
     # The embedded target does not depend on the gpu backend.
-    assert resnet_description(backend).config("embedded") == resnet_description("onnxruntime_onnx").config("embedded")
+    assert classifier_description(backend).config("embedded") == classifier_description("onnxruntime_onnx").config("embedded")
 
 
 def test_trtexec_args_cover_batch_1_to_max():
-    assert resnet_description("tensorrt_plan").trtexec_args() == [
+    assert classifier_description("tensorrt_plan").trtexec_args() == [
         "--fp16", "--minShapes=pixel_values:1x3x224x224", "--optShapes=pixel_values:16x3x224x224",
         "--maxShapes=pixel_values:32x3x224x224"]
 
@@ -348,7 +363,7 @@ def test_vision_pipeline_flag_selects_the_gpu_backend(tmp_path):
 
     for backend in ("onnxruntime_onnx", "onnxruntime_trt", "tensorrt_plan"):
         context, pipelines = parse_context(["--target", "gpu", "--output", str(tmp_path), "--pipelines", "vision",
-                                            "--resnet50-gpu-backend", backend])
+                                            "--image-gpu-backend", backend])
         (model,) = [m for pipeline in pipelines for m in pipeline.compute_models(context)]
         assert model.gpu_backend == backend
         config = model.config("gpu")
@@ -358,14 +373,14 @@ def test_vision_pipeline_flag_selects_the_gpu_backend(tmp_path):
 def test_trt_engine_script_builds_once_and_links_variants(tmp_path):
     """docker/build_trt_engines.sh with a stand-in trtexec that records its flags."""
     repository = tmp_path / "repo"
-    base = repository / "resnet50" / "1"
+    base = repository / "efficientnet_lite0" / "1"
     base.mkdir(parents=True)
     (base / "model.onnx").write_bytes(b"onnx")
-    (base / "trtexec.args").write_text("\n".join(resnet_description("tensorrt_plan").trtexec_args()) + "\n")
-    variant = repository / "resnet50_batch" / "1"
+    (base / "trtexec.args").write_text("\n".join(classifier_description("tensorrt_plan").trtexec_args()) + "\n")
+    variant = repository / "efficientnet_lite0_batch" / "1"
     variant.mkdir(parents=True)
     for name in ("model.onnx", "trtexec.args"):
-        (variant / name).symlink_to(Path("..") / ".." / "resnet50" / "1" / name)
+        (variant / name).symlink_to(Path("..") / ".." / "efficientnet_lite0" / "1" / name)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     log = tmp_path / "trtexec.log"
