@@ -332,7 +332,6 @@ def tutorial_table(server, s: bench_settings.Settings) -> tuple[list[TableRow], 
     """Each model at the tutorial's batch size, one request at a time: Triton, the FastAPI peer
     and the in-process limit (same batch, same payload)."""
     from triton_pipelines.pipelines.onnx_runner import OnnxBatchRunner
-    from triton_pipelines.pipelines.text import TextTokenizer
 
     from .bench_text import full_length_tokens
     from .bench_vision import in_process as vision_limit
