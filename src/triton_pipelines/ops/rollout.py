@@ -250,6 +250,8 @@ class Rollout:
             remaining_versions = (self.loaded_versions() | {action.keep}) - action.versions
             self.log(f"retiring version(s) {sorted(action.versions)}: {self.model} now loads "
                      f"{sorted(remaining_versions)}")
+            self.swap.unload_ensembles([name for version in sorted(action.versions)
+                                        for name in self.family.versioned_ensembles.get(version, ())])
             self.swap.set_versions(remaining_versions)
         elif isinstance(action, WaitUnloaded):
             self.watch.wait_unloaded(set(action.versions))

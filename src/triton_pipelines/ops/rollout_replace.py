@@ -65,6 +65,20 @@ class VersionSwap:
             for future in [pool.submit(action, member) for member in members]:
                 future.result()
 
+    def unload_ensembles(self, names: Iterable[str], timeout_s: float = 120.0) -> None:
+        """Unload ``names`` and wait until they are gone. Before a version is retired: Triton 2.51
+        reloads the ensembles that depend on a model when the model is loaded again, and an ensemble
+        whose pinned version is the one going away then fails that reload while the other members
+        load in parallel, a race that crashed tritonserver (signal 11, seen in test_rollout under
+        load). With the retired versions' ensembles unloaded first, nothing depends on them."""
+        states = self.control.states()
+        names = [name for name in names if states.get(name) not in (None, "UNAVAILABLE")]
+        for name in names:
+            self.control.unload(name)
+        pending = self.control.wait_unloaded(names, time.monotonic() + timeout_s)
+        if pending:
+            raise RolloutError(f"ensembles {sorted(pending)} still loaded {timeout_s:g} s after their unload")
+
     def load_ensembles(self, names: Iterable[str]) -> None:
         states = self.control.states()
         for name in names:
