@@ -578,8 +578,8 @@ def gateway_failure(error: Exception) -> OpenAIError:
         kind, code = REFUSALS[error.reason]
         return OpenAIError(error.status, error.message, kind, None, code.format(limit=error.limit), headers)
     reason = getattr(error, "reason", None)
-    if reason is None:  # InputError
-        return invalid(str(error), "model")
+    if reason is None:  # InputError: the messages' (a part, a lone surrogate) or the model's
+        return invalid(str(error), "messages" if str(error).startswith("messages") else "model")
     status, kind, code = GATEWAY_FAILURES.get(reason, (502, "server_error", "upstream_error"))
     return OpenAIError(status, str(error), kind, "messages" if reason == "context_window" else None, code,
                        headers if status in (429, 503) else {})
