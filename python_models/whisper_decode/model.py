@@ -7,12 +7,14 @@ change between steps: on the gpu target they are passed on as the encoder respon
 tensors; on the embedded target, where every BLS input is copied into the callee's stub, the first
 step sends them and later steps name the decoder's cached copy (``input_cache_key``); there the
 decoder also keeps the self-attention K/V between steps (later steps send only the new tokens and
-get only the logits). Request parsing, the decoding loop and the outputs:
+get only the logits). A request whose client has gone (cancelled, or past the gRPC deadline the
+screen forwards: an ensemble's running step is never cancelled by Triton 2.51) stops decoding
+within 0.1 s and is answered CANCELLED. Request parsing, the decoding loop and the outputs:
 ``triton_pipelines.pipelines.speech`` (``plan_request``, ``GreedyDecoder``, ``transcript_outputs``); the BLS
 calls: ``triton_pipelines.stub.whisper``."""
 
-from triton_pipelines.pipelines.speech.jobs import decode_jobs, plan_request, transcript_outputs
-from triton_pipelines.stub.responses import input_array, respond
+from triton_pipelines.pipelines.speech.jobs import client_gone, decode_jobs, plan_request, transcript_outputs
+from triton_pipelines.stub.responses import input_array, request_parameters, respond
 from triton_pipelines.stub.whisper import WhisperBls
 
 OPTIONAL_INPUTS = ("num_windows", "language", "task", "max_new_tokens")
@@ -26,10 +28,12 @@ class TritonPythonModel:
         return respond(requests, self.plan, self.decode)
 
     def plan(self, request):
-        return plan_request(self.whisper.tokenizer, input_array(request, "input_features"),
-                            *(input_array(request, name) for name in OPTIONAL_INPUTS), **self.whisper.defaults)
+        job = plan_request(self.whisper.tokenizer, input_array(request, "input_features"),
+                           *(input_array(request, name) for name in OPTIONAL_INPUTS), **self.whisper.defaults)
+        job.cancelled = client_gone(request_parameters(request), request.is_cancelled)
+        return job
 
     def decode(self, jobs):
         whisper = self.whisper
-        return [transcript_outputs(whisper.tokenizer, items)
+        return [items if isinstance(items, Exception) else transcript_outputs(whisper.tokenizer, items)
                 for items in decode_jobs(jobs, whisper.group_size, whisper.group)]

@@ -29,6 +29,11 @@ class UpstreamError(RuntimeError):
     """A model called through BLS answered with an error; the message names the model."""
 
 
+class RequestCancelled(Exception):
+    """The request's client has gone (cancelled, or past its deadline): its work stopped. Answered
+    with Triton's CANCELLED code (``stub.responses``), though no client reads it."""
+
+
 def as_bytes(item: Any) -> bytes:
     """One element of a BYTES tensor as bytes (numpy may hand out ``str`` or other objects)."""
     return item if isinstance(item, bytes) else str(item).encode()

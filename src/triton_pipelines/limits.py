@@ -26,6 +26,12 @@ DEFAULT_MAX_INFLIGHT = 256
 REQUEST_TIMEOUT_S = 300.0
 # Longer audio is refused before its samples are decoded (docs/speech.md).
 MAX_AUDIO_SECONDS = 300.0
+# The gRPC header (forwarded by tritonserver as a request parameter, a string) in which the screen
+# hands a client's deadline, in ns since the epoch, to the models: Triton 2.51 cancels an
+# ensemble's step only when it schedules that step after the cancellation, never a running one, so
+# a running ``whisper_decode`` learns that its client has gone only from this (an ensemble passes
+# its parameters on to every step). Reserved: a client cannot send it.
+CLIENT_DEADLINE_PARAMETER = "x-client-deadline-ns"
 # A self-hosted route's deadline when data/routes.yaml names none (`limits.triton_deadline_s`).
 SELF_HOSTED_DEADLINE_S = 60.0
 

@@ -19,7 +19,7 @@ class TritonModelException(Exception):
 
 
 class TritonError:
-    INTERNAL, INVALID_ARG, UNAVAILABLE = "INTERNAL", "INVALID_ARG", "UNAVAILABLE"
+    INTERNAL, INVALID_ARG, UNAVAILABLE, CANCELLED = "INTERNAL", "INVALID_ARG", "UNAVAILABLE", "CANCELLED"
 
     def __init__(self, message, code=INTERNAL):
         self._message, self._code = message, code
@@ -84,6 +84,11 @@ class Request:
 
     def request_id(self):
         return self._id
+
+    cancelled = False  # set by a test: the client has gone
+
+    def is_cancelled(self):
+        return self.cancelled
 
 
 def get_input_tensor_by_name(request, name):

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from triton_pipelines.gateway.keys import KEY_ID_PARAMETER
+from triton_pipelines.limits import CLIENT_DEADLINE_PARAMETER
 
 # How deep the screen's JSON parser (CPython's, in C) nests before it stops with RecursionError:
 # the interpreter's recursion limit, 1,000 by default; far deeper than any KServe v2 request needs
@@ -119,11 +120,14 @@ def check_input_parameter_names(input_name: str, names: Iterable[str]) -> None:
 
 def check_request_parameter_names(names: Iterable[str]) -> None:
     """A request's own parameters may not carry the API key id the screen forwards (the router
-    would take it for the caller's key)."""
+    would take it for the caller's key), nor the deadline it forwards (the client's own deadline)."""
     for name in names:
         if str(name).lower() == KEY_ID_PARAMETER:
             raise ScreenError(f"the request parameter '{KEY_ID_PARAMETER}' is reserved: send the key as "
                               f"`Authorization: Bearer <key>`")
+        if str(name).lower() == CLIENT_DEADLINE_PARAMETER:
+            raise ScreenError(f"the request parameter '{CLIENT_DEADLINE_PARAMETER}' is reserved: a gRPC "
+                              f"call's own deadline is forwarded as it")
 
 
 # ---------------------------------------------------------------------------- parameter values

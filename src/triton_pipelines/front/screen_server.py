@@ -21,10 +21,11 @@ import json
 import re
 import signal
 import sys
+import time
 from pathlib import Path
 from urllib.parse import unquote
 
-from triton_pipelines.limits import REQUEST_TIMEOUT_S
+from triton_pipelines.limits import CLIENT_DEADLINE_PARAMETER, REQUEST_TIMEOUT_S
 from triton_pipelines.gateway.keys import KEY_ID_PARAMETER, KeyRing, bearer_secret, keys_from_environment
 from triton_pipelines.errors import REFUSAL_STATUSES, parse_refusal
 from triton_pipelines.http1 import Upstream, header, read_body, read_head
@@ -191,9 +192,10 @@ class GrpcScreen:
     """ModelInfer only, as raw bytes both ways: checked, then forwarded with the caller's metadata
     and deadline; the caller's cancellation cancels the forwarded call."""
 
-    # authorization: the key's secret never reaches Triton (its id does, for the router)
+    # authorization: the key's secret never reaches Triton (its id does, for the router); the
+    # deadline header is the screen's own (client_deadline)
     _DROP = {"user-agent", "grpc-accept-encoding", "grpc-encoding", "te", "content-type", "authorization",
-             KEY_ID_PARAMETER}
+             KEY_ID_PARAMETER, CLIENT_DEADLINE_PARAMETER}
 
     def __init__(self, policy: ScreenPolicy, triton_grpc: str, keys: KeyRing | None = None):
         import grpc
@@ -233,8 +235,10 @@ class GrpcScreen:
         metadata = tuple((k, v) for k, v in received if k not in self._DROP)
         if key_id:
             metadata += ((KEY_ID_PARAMETER, key_id),)
+        remaining = context.time_remaining()
+        metadata += client_deadline(remaining)
         try:
-            return await self.call(request, timeout=context.time_remaining(), metadata=metadata)
+            return await self.call(request, timeout=remaining, metadata=metadata)
         except grpc.aio.AioRpcError as error:
             code, details = error.code(), error.details() or ""
             restarting = restarting_model_message(details) if code == grpc.StatusCode.INTERNAL else None
@@ -301,6 +305,16 @@ class GrpcScreen:
             pump.cancel()
             drain.cancel()
             call.cancel()
+
+
+def client_deadline(remaining_s: float | None, now_ns: int | None = None) -> tuple[tuple[str, str], ...]:
+    """The metadata that tells the models a unary call's deadline (``limits.CLIENT_DEADLINE_PARAMETER``,
+    ns since the epoch): Triton cancels the call at its deadline, but not an ensemble's step that is
+    already running (whisper_decode), which stops by this instead. None without a deadline."""
+    if remaining_s is None:
+        return ()
+    now_ns = time.time_ns() if now_ns is None else now_ns
+    return ((CLIENT_DEADLINE_PARAMETER, str(now_ns + max(0, int(remaining_s * 1e9)))),)
 
 
 def stream_error_response(message: str) -> bytes:

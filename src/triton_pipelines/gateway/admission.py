@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 from triton_pipelines.errors import RouteError
 from triton_pipelines.gateway.fallback import Attempt, fallback_label
-from triton_pipelines.gateway.ledger import KeyLimits, LimitExceeded, SpendLedger, call_cost_nusd
+from triton_pipelines.gateway.ledger import KeyLimits, LimitExceeded, SpendLedger, call_cost_nusd, usd
 from triton_pipelines.gateway.recorder import SpendRecorder
 from triton_pipelines.gateway.refusal import GatewayRefusal
 
@@ -25,21 +25,29 @@ class Plan:
     budget_s: float
     request_id: str
     prompt_tokens: int
-    max_tokens: int
+    max_tokens: int | None  # None: each model's output limit (``RouteTable.output_limit``)
 
 
 class Admission:
     """Reservations and settlements of a service's calls (no ledger: every call is admitted)."""
 
     def __init__(self, prices: dict, ledger: SpendLedger | None, reservation_margin_s: float,
-                 recorder: SpendRecorder, log: Callable[[str], None]):
+                 recorder: SpendRecorder, log: Callable[[str], None], output_limit: Callable[[str], int]):
         self.prices, self.ledger, self.reservation_margin_s = prices, ledger, reservation_margin_s
         self.recorder, self.log = recorder, log
+        self.output_limit = output_limit
+
+    def max_tokens(self, plan: Plan, model: str) -> int:
+        """The output tokens one attempt on ``model`` is sent (and reserved): the request's
+        ``max_tokens``, else the model's output limit."""
+        return plan.max_tokens if plan.max_tokens is not None else self.output_limit(model)
 
     def reserved(self, plan: Plan, model: str) -> int:
-        """The most one attempt of ``plan`` on ``model`` can cost (nano-dollars)."""
+        """The most one attempt of ``plan`` on ``model`` can cost (nano-dollars): its prompt's bound
+        and the output it is sent as ``max_tokens``, at the model's price."""
         price = self.prices[model]
-        return call_cost_nusd(price.input_per_million, price.output_per_million, plan.prompt_tokens, plan.max_tokens)
+        return call_cost_nusd(price.input_per_million, price.output_per_million, plan.prompt_tokens,
+                              self.max_tokens(plan, model))
 
     async def admit(self, plan: Plan, task: str | None, model: str, remaining_s: float, first: bool,
                     attempts: list[Attempt]) -> int | None:
@@ -50,7 +58,7 @@ class Admission:
         limits = plan.limits
         admitted = asyncio.ensure_future(asyncio.to_thread(
             self.ledger.admit, limits, request_id=plan.request_id, task=task or "", model=model,
-            reserved_nusd=self.reserved(plan, model), reserved_tokens=plan.prompt_tokens + plan.max_tokens,
+            reserved_nusd=self.reserved(plan, model), reserved_tokens=plan.prompt_tokens + self.max_tokens(plan, model),
             expires_in_s=remaining_s + self.reservation_margin_s,
             counts_request=first, check_rates=first))
         try:
@@ -80,6 +88,23 @@ class Admission:
         except Exception:  # refused or the ledger failed: no row was made
             return
         await self.settle(row, "failed", cost_nusd=0, outcome="client_left")
+
+    async def settle_success(self, row: int | None, plan: Plan, model: str, cost_nusd: int, outcome: str = "success",
+                             **figures: Any) -> None:
+        """Settle a call the upstream answered at ``cost_nusd``, in full. A cost above the call's
+        reservation (the upstream counted more prompt than its bound: text the provider adds, an
+        image above the route file's bound) is flagged: a log line, the recorder's ``overspend``
+        and the row's outcome (``<outcome>_over_reservation``); it counts against the key's budget
+        at once (settled rows are the key's spend)."""
+        reserved = self.reserved(plan, model)
+        if cost_nusd > reserved:
+            outcome += "_over_reservation"
+            self.log(f"gateway: key {plan.limits.name}'s call {plan.request_id} to {model} cost {usd(cost_nusd)} USD, "
+                     f"above its reservation of {usd(reserved)} USD (input tokens {figures.get('input_tokens')} for "
+                     f"a bound of {plan.prompt_tokens}; output {figures.get('output_tokens')} for "
+                     f"{self.max_tokens(plan, model)}): charged in full")
+            self.recorder.overspend(plan.limits.name, model, float(usd(cost_nusd - reserved)))
+        await self.settle(row, "success", cost_nusd=cost_nusd, outcome=outcome, **figures)
 
     async def settle(self, row: int | None, status: str, **figures: Any) -> None:
         if row is None or self.ledger is None:

@@ -25,6 +25,9 @@ class SpendRecorder(Protocol):
 
     def refusal(self, key_name: str, reason: str) -> None: ...
 
+    def overspend(self, key_name: str, model: str, over_usd: float) -> None:
+        """A call settled above its reservation (``Admission.settle_success``): by how much."""
+
 
 class NullRecorder:
     def spend(self, *args) -> None: pass
@@ -36,6 +39,8 @@ class NullRecorder:
     def cooldown(self, *args) -> None: pass
 
     def refusal(self, *args) -> None: pass
+
+    def overspend(self, *args) -> None: pass
 
 
 class BudgetGauges:

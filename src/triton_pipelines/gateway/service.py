@@ -91,7 +91,8 @@ class GatewayService:
                              "SPEND_DATABASE_URL (the launcher sets sqlite:///<state dir>/spend.db)")
         self.access = Access(keys, self.recorder)
         self.gauges = BudgetGauges(keys, ledger, self.recorder, log)
-        self.admission = Admission(table.prices, ledger, table.gateway.reservation_margin_s, self.recorder, log)
+        self.admission = Admission(table.prices, ledger, table.gateway.reservation_margin_s, self.recorder, log,
+                                   table.output_limit)
         self.fallbacks = Fallbacks(client, table.larger_window, self.admission.settle, self.recorder)
         self.relay = StreamRelay(table.prices, self.admission, self.recorder, self.gauges)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -200,7 +201,7 @@ class GatewayService:
         plan = self._plan(api_key, messages, task, model, max_tokens, tier, deadline_s, request_id)
         requested, limits, chain, deadline, budget_s = (plan.requested, plan.limits, list(plan.chain), plan.deadline,
                                                         plan.budget_s)
-        request_id, max_tokens = plan.request_id, plan.max_tokens
+        request_id = plan.request_id
         attempts: list[Attempt] = []
         admitted_once = False
         last_error: RouteError | None = None
@@ -217,7 +218,7 @@ class GatewayService:
                                              attempts=attempts)
             admitted_once = True
             routed = RoutedRequest(task or "", "gateway", "realtime", current, current, messages=messages,
-                                   temperature=temperature, max_tokens=max_tokens)
+                                   temperature=temperature, max_tokens=self.admission.max_tokens(plan, current))
             was_open = breaker.state == "open"
             started = time.monotonic()
             try:
@@ -232,11 +233,11 @@ class GatewayService:
                                   completion.output_tokens)
             first_failure = next((a for a in attempts), None)
             reason = fallback_label(first_failure) if first_failure and current != requested else None
-            await self.admission.settle(row, "success", input_tokens=completion.input_tokens,
-                                        output_tokens=completion.output_tokens, cost_nusd=cost,
-                                        latency_s=time.monotonic() - started, outcome="success",
-                                        fallback_from=requested if current != requested else None,
-                                        fallback_reason=reason)
+            await self.admission.settle_success(row, plan, current, cost, input_tokens=completion.input_tokens,
+                                                output_tokens=completion.output_tokens,
+                                                latency_s=time.monotonic() - started,
+                                                fallback_from=requested if current != requested else None,
+                                                fallback_reason=reason)
             attempts.append(Attempt(current, "success"))
             if current != requested:
                 self.recorder.fallback(requested, current, reason or "unknown")
@@ -260,7 +261,7 @@ class GatewayService:
                       if api_key is None or api_key.allows_model(m))
         return Plan(requested, KeyLimits.of(api_key), chain, time.monotonic() + budget_s, budget_s,
                      request_id or uuid.uuid4().hex, estimate_prompt_tokens(messages, settings.image_tokens_estimate),
-                     max_tokens or settings.default_max_tokens)
+                     max_tokens)
 
     # ----------------------------------------------------------------------------- streaming
     def stream(self, api_key: ApiKey | None, *, messages: list[dict], task: str | None = None,
@@ -302,7 +303,7 @@ class GatewayService:
                                              attempts=attempts)
             admitted_once = True
             routed = RoutedRequest(task or "", "gateway", "realtime", current, current, messages=messages,
-                                   temperature=temperature, max_tokens=plan.max_tokens)
+                                   temperature=temperature, max_tokens=self.admission.max_tokens(plan, current))
             started = time.monotonic()
             was_open = self.client.breaker(current).state == "open"
             try:

@@ -61,10 +61,10 @@ class StreamRelay:
                 price = self.prices[current]
                 charged = call_cost_nusd(price.input_per_million, price.output_per_million, input_tokens,
                                          output_tokens)
-            await self.admission.settle(row, "success", input_tokens=input_tokens, output_tokens=output_tokens,
-                                        cost_nusd=charged, latency_s=time.monotonic() - started,
-                                        outcome="success" if call.usage else "success_without_usage",
-                                        fallback_from=fallback_from, fallback_reason=reason)
+            await self.admission.settle_success(row, plan, current, charged, input_tokens=input_tokens,
+                                                output_tokens=output_tokens, latency_s=time.monotonic() - started,
+                                                outcome="success" if call.usage else "success_without_usage",
+                                                fallback_from=fallback_from, fallback_reason=reason)
             settled = True
             if fallback_from:
                 self.recorder.fallback(requested, current, reason or "unknown")

@@ -79,9 +79,15 @@ class Frontend:
                         413: ("the request body is too large", "request_too_large")}
                 message, code = kind.get(error.status, (error.reason, None))
                 return error_reply(proto.OpenAIError(error.status, message, "invalid_request_error", None, code))
-            except (ConnectionResetError, asyncio.CancelledError):
-                status = 499  # the client left
+            except asyncio.CancelledError:
+                status = 499  # the client left (aiohttp cancels the handler)
                 raise
+            except ConnectionError:
+                # The client left while its body was read or its answer written, before aiohttp
+                # cancelled the handler: raised on, aiohttp would log it as a failed request with a
+                # traceback (its handle_error); ended as aiohttp ends a disconnection, it is not logged.
+                status = 499
+                raise asyncio.CancelledError from None
             except Exception as error:  # noqa: BLE001 - a bug answers 500, the server lives
                 status = 500
                 print(f"[openai] {endpoint}: {type(error).__name__}: {error}", file=sys.stderr, flush=True)

@@ -31,7 +31,7 @@ class ServingEmbeddings:
     async def embeddings(self, request):
         from aiohttp import web
 
-        body = await json_body(request)
+        body = await json_body(request, proto.MAX_EMBEDDINGS_BODY_BYTES)
         request["model"] = body.get("model")
         parsed = proto.parse_embeddings(body, self.catalog)
         encoded = [text.encode("utf-8") for text in parsed.texts]

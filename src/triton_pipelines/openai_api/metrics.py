@@ -2,7 +2,8 @@
 to the public ``:8002/metrics``): ``openai_requests_total``, ``openai_request_duration_seconds``,
 ``openai_streamed_responses_total``, ``openai_stream_disconnects_total``; chat's gateway figures
 ``openai_spend_usd_total``, ``openai_budget_remaining_usd``, ``openai_fallbacks_total``,
-``openai_cooldowns_total``, ``openai_refusals_total`` (the router's are ``router_*``).
+``openai_cooldowns_total``, ``openai_refusals_total``, ``openai_over_reservation_total`` and
+``openai_over_reservation_usd_total`` (the router's are ``router_*``).
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ class Metrics:
         self.fallbacks: Counter = Counter()
         self.cooldowns: Counter = Counter()
         self.refusals: Counter = Counter()
+        self.over_reservation: Counter = Counter()
+        self.over_reservation_usd: Counter = Counter()
         self.budgets: dict[str, float] = {}
         self.window_spend: dict[str, float] = {}
         self.soft_budgets: dict[str, float] = {}
@@ -59,6 +62,11 @@ class Metrics:
     def refusal(self, key_name: str, reason: str) -> None:
         with self.lock:
             self.refusals[(key_name, reason)] += 1
+
+    def overspend(self, key_name: str, model: str, over_usd: float) -> None:
+        with self.lock:
+            self.over_reservation[(key_name, model)] += 1
+            self.over_reservation_usd[(key_name, model)] += over_usd
 
     def model_label(self, model) -> str:
         return model if isinstance(model, str) and model in self.known else ("" if model is None else "other")
@@ -111,4 +119,8 @@ class Metrics:
                             "frontend", ("model",), self.cooldowns)
             lines += family("openai_refusals_total", "counter", "/v1 chat completions refused by a key's limits or "
                             "models", ("key_name", "reason"), self.refusals)
+            lines += family("openai_over_reservation_total", "counter", "/v1 chat completions settled above their "
+                            "reservation (charged in full)", ("key_name", "model"), self.over_reservation)
+            lines += family("openai_over_reservation_usd_total", "counter", "what /v1 chat completions cost above "
+                            "their reservations", ("key_name", "model"), self.over_reservation_usd, usd)
         return "\n".join(lines) + "\n"

@@ -98,8 +98,12 @@ async def read_multipart(request) -> tuple[dict[str, str], str | None, bytes | N
     if not (request.content_type or "").startswith("multipart/form-data"):
         raise proto.invalid(f"the body must be multipart/form-data with a 'file' part, not "
                             f"{(request.content_type or 'none')[:64]!r}")
+    from aiohttp import MultipartReader
+    from aiohttp.helpers import parse_mimetype
+
     try:
-        reader = await request.multipart()
+        boundary = parse_mimetype(request.headers["Content-Type"]).parameters.get("boundary", "")
+        reader = MultipartReader(request.headers, BoundedPreamble(request.content, boundary))
     except (ValueError, AssertionError) as error:
         raise proto.invalid(f"the multipart body cannot be read: {str(error)[:200]}") from None
     fields: dict[str, str] = {}
@@ -126,6 +130,34 @@ async def read_multipart(request) -> tuple[dict[str, str], str | None, bytes | N
     except (ValueError, AssertionError, RuntimeError) as error:
         raise proto.invalid(f"the multipart body cannot be read: {str(error)[:200]}") from None
     return fields, found["filename"], found["data"]
+
+
+class BoundedPreamble:
+    """A request's body stream for aiohttp's MultipartReader, with at most
+    ``proto.MAX_MULTIPART_PREAMBLE_BYTES`` before the first boundary line: the reader reads that
+    preamble a line at a time (an await per line), so 60 MiB of line breaks held the event loop
+    100 s. Past the first boundary it is the stream itself (part bodies are read in chunks, part
+    headers bounded by the reader)."""
+
+    def __init__(self, content, boundary: str):
+        self._content = content
+        self._delimiter = b"--" + boundary.strip('"').encode("latin-1", "replace")
+        self._left: int | None = proto.MAX_MULTIPART_PREAMBLE_BYTES  # None: past the first boundary
+
+    async def readline(self, *args, **kwargs) -> bytes:
+        line = await self._content.readline(*args, **kwargs)
+        if self._left is not None:
+            if line.rstrip() in (self._delimiter, self._delimiter + b"--"):
+                self._left = None
+            else:
+                self._left -= len(line)
+                if self._left < 0:
+                    raise proto.invalid(f"the multipart body does not start with its boundary: more than "
+                                        f"{proto.MAX_MULTIPART_PREAMBLE_BYTES} bytes come before the first one")
+        return line
+
+    def __getattr__(self, name):  # read, at_eof, unread_data: the stream's own
+        return getattr(self._content, name)
 
 
 async def read_part(part, fields: dict[str, str], found: dict) -> None:

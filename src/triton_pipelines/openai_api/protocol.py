@@ -46,8 +46,19 @@ MAX_EMBEDDING_INPUTS = 2048
 MAX_MULTIPART_PARTS = 16
 MAX_FIELD_BYTES = 16 * 1024
 MAX_FILENAME_CHARS = 1024
-# JSON bodies of /v1/embeddings and /v1/chat/completions (the front's body limit is larger: audio).
+# JSON bodies: /v1/chat/completions (its file, image and audio parts are base64) and
+# /v1/embeddings (2048 inputs of 4 KiB; a text is cut at 256 tokens anyway); the front's body limit
+# is larger (audio), and the app's (aiohttp's client_max_size) is the larger of these.
 MAX_JSON_BODY_BYTES = 16 * 1024 * 1024
+MAX_EMBEDDINGS_BODY_BYTES = 8 * 1024 * 1024
+# JSON structure in one body (``json_structure``: about the values json.loads would build). It
+# builds a Python object per value on the event loop: 16 MiB of `[[]],` (6.7 million lists) held
+# every /v1 endpoint 4.4 s (issue 33 §2). 2048 embedding inputs, or a chat of 256 messages with
+# tools, is a few thousand.
+MAX_JSON_STRUCTURE = 100_000
+# Bytes before a multipart body's first boundary (its preamble: no client sends one). aiohttp reads
+# it a line at a time: 60 MiB of line breaks held the event loop 100 s.
+MAX_MULTIPART_PREAMBLE_BYTES = 1024
 # Chat: messages per request and a message's text (the gateway's own limits apply after).
 MAX_CHAT_MESSAGES = 256
 
@@ -121,6 +132,9 @@ def parse_json_body(raw: bytes, limit: int = MAX_JSON_BODY_BYTES) -> dict:
         raise too_large(f"the request body is {len(raw)} bytes; the limit for JSON bodies is {limit} bytes")
     if not raw.strip():
         raise invalid("the request body is empty: send a JSON object")
+    if json_structure(raw) > MAX_JSON_STRUCTURE:
+        raise invalid(f"the request body holds more than {MAX_JSON_STRUCTURE} JSON values (strings, numbers, "
+                      f"arrays, objects): the limit of a /v1 request", code="request_too_complex")
     try:
         document = json.loads(raw)
     except RecursionError:
@@ -130,6 +144,22 @@ def parse_json_body(raw: bytes, limit: int = MAX_JSON_BODY_BYTES) -> dict:
     if not isinstance(document, dict):
         raise invalid(f"the request body must be a JSON object, not {type(document).__name__}")
     return document
+
+
+def json_structure(raw: bytes) -> int:
+    """About the number of values ``json.loads(raw)`` builds (at most twice it), counted at C speed
+    before it runs: its commas, brackets and braces (every value of a container but the first follows
+    a comma). Where those are more than ``MAX_JSON_STRUCTURE`` they may be text (a string may hold
+    any number of commas): then the strings, and the commas, brackets and braces outside them."""
+    quick = raw.count(b",") + raw.count(b"[") + raw.count(b"{") + 1
+    if quick <= MAX_JSON_STRUCTURE:
+        return quick
+    text = raw.replace(b"\\\\", b"").replace(b'\\"', b"") if b"\\" in raw else raw  # escapes: not quotes
+    strings = text.count(b'"') // 2
+    if strings > MAX_JSON_STRUCTURE:
+        return strings
+    outside = b"".join(text.split(b'"')[0::2])
+    return strings + outside.count(b",") + outside.count(b"[") + outside.count(b"{") + 1
 
 
 # ----------------------------------------------------------------------------------- fields
@@ -558,8 +588,8 @@ def gateway_failure(error: Exception) -> OpenAIError:
         kind, code = REFUSALS[error.reason]
         return OpenAIError(error.status, error.message, kind, None, code.format(limit=error.limit), headers)
     reason = getattr(error, "reason", None)
-    if reason is None:  # InputError
-        return invalid(str(error), "model")
+    if reason is None:  # InputError: the messages' (a part, a lone surrogate) or the model's
+        return invalid(str(error), "messages" if str(error).startswith("messages") else "model")
     status, kind, code = GATEWAY_FAILURES.get(reason, (502, "server_error", "upstream_error"))
     return OpenAIError(status, str(error), kind, "messages" if reason == "context_window" else None, code,
                        headers if status in (429, 503) else {})

@@ -20,11 +20,13 @@ def error_reply(error: proto.OpenAIError):
     return reply(error.body(), error.status, headers=dict(error.headers))
 
 
-async def json_body(request) -> dict:
-    if request.content_length is not None and request.content_length > proto.MAX_JSON_BODY_BYTES:
+async def json_body(request, limit: int = proto.MAX_JSON_BODY_BYTES) -> dict:
+    """The endpoint's JSON body: at most ``limit`` bytes (413 before it is read, by its length) and
+    ``proto.MAX_JSON_STRUCTURE`` values (400 before it is parsed: ``proto.parse_json_body``)."""
+    if request.content_length is not None and request.content_length > limit:
         raise proto.too_large(f"the request body is {request.content_length} bytes; the limit for JSON bodies "
-                              f"is {proto.MAX_JSON_BODY_BYTES} bytes")
+                              f"of {request.path} is {limit} bytes")
     if "json" not in (request.content_type or ""):
         raise proto.invalid(f"the body must be JSON (Content-Type: application/json), not "
                             f"{(request.content_type or 'none')[:64]!r}")
-    return proto.parse_json_body(await request.read())
+    return proto.parse_json_body(await request.read(), limit)

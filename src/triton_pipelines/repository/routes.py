@@ -19,7 +19,7 @@ from triton_pipelines.limits import SELF_HOSTED_DEADLINE_S, TEXT_MAX_BATCH
 # versions are 2, 3, ...).
 from triton_pipelines.repository.contract import STABLE_VERSION
 
-from triton_pipelines.errors import ConfigError
+from triton_pipelines.errors import ConfigError, InputError
 
 TIERS = ("cheapest", "balanced", "best")
 
@@ -64,6 +64,9 @@ class GatewayModel:
     name: str
     context_window: int  # tokens (prompt + completion) the model takes
     fallbacks: tuple[str, ...]  # models tried, in order, when this one fails
+    # The most output tokens it gives a call that names no max_tokens (the provider's limit): what
+    # such a call is sent and reserved; None: the gateway's default_max_tokens.
+    max_output_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -194,6 +197,14 @@ class RouteTable:
         entry = self.gateway_models.get(model)
         return entry.context_window if entry else None
 
+    def output_limit(self, model: str) -> int:
+        """The output tokens a call to ``model`` that names no ``max_tokens`` is sent and reserved:
+        the model's ``max_output_tokens``, else ``gateway.default_max_tokens``; at most
+        ``gateway.max_tokens_limit``."""
+        entry = self.gateway_models.get(model)
+        limit = entry.max_output_tokens if entry and entry.max_output_tokens else self.gateway.default_max_tokens
+        return min(limit, self.gateway.max_tokens_limit)
+
     def larger_window(self, task: str | None, model: str, candidates: list[str]) -> str | None:
         """For a context-window error of ``model``: the first of ``candidates`` (the rest of its
         fallback chain) with a larger window, else the task's (or any) model with the smallest
@@ -227,7 +238,11 @@ def _gateway_models(section: Mapping[str, Any], prices: Mapping[str, Price], sou
         unknown = [m for m in fallbacks if m not in prices or m == name]
         if unknown:
             raise RoutesFileError(f"{source}: gateway_models.{name}.fallbacks {unknown} must be other priced models")
-        models[name] = GatewayModel(name, window, fallbacks)
+        output = (spec or {}).get("max_output_tokens")
+        if output is not None and (isinstance(output, bool) or not isinstance(output, int) or output < 1):
+            raise RoutesFileError(f"{source}: gateway_models.{name}.max_output_tokens must be a whole number of "
+                                  f"tokens, not {output!r}")
+        models[name] = GatewayModel(name, window, fallbacks, output)
     return models
 
 
@@ -263,22 +278,36 @@ def cost_usd(price: Price, input_tokens: int, output_tokens: int) -> float:
     return float(cost)
 
 
+# The content parts a gateway prompt may hold: text (its UTF-8 bytes bound its tokens) and images
+# (``gateway.image_tokens_estimate`` each, the route file's stated bound). Audio and file (PDF)
+# parts cost tokens no one can bound before the call (a PDF of a thousand pages is one part), so
+# no reservation could hold them: they are refused.
+PROMPT_PART_TYPES = ("text", "image_url")
+
+
 def estimate_prompt_tokens(messages: list[dict], image_tokens: int = 2500) -> int:
     """An upper bound of a chat prompt's tokens, for the spend ledger's reservation: every text's
     UTF-8 bytes (no tokenizer makes more tokens than bytes), ``image_tokens`` per image part, and
-    8 per message for the role and framing."""
+    8 per message for the role and framing. InputError for a part of another type
+    (``PROMPT_PART_TYPES``), naming it."""
     total = 16
-    for message in messages:
+    for index, message in enumerate(messages):
         total += 8
         content = message.get("content") if isinstance(message, dict) else None
         if isinstance(content, str):
             total += len(content.encode("utf-8", "replace"))
         elif isinstance(content, list):
-            for part in content:
-                if isinstance(part, dict) and part.get("type") == "text":
+            for number, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind == "text":
                     total += len(str(part.get("text", "")).encode("utf-8", "replace"))
-                else:
+                elif kind == "image_url":
                     total += image_tokens
+                else:
+                    what = f"a {repr(kind)[:40]} part" if isinstance(part, dict) else f"a {type(part).__name__}"
+                    raise InputError(f"messages[{index}].content[{number}] is {what}: a gateway prompt takes "
+                                     f"only {' and '.join(map(repr, PROMPT_PART_TYPES))} parts (what other parts "
+                                     f"cost cannot be bounded before the call, so no budget could hold it)")
         for key in ("name", "tool_call_id"):
             if isinstance(message, dict) and isinstance(message.get(key), str):
                 total += len(message[key].encode("utf-8", "replace"))

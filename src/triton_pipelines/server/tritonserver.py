@@ -11,7 +11,7 @@ import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from triton_pipelines.limits import LOOPBACK
+from triton_pipelines.limits import CLIENT_DEADLINE_PARAMETER, LOOPBACK
 from triton_pipelines.gateway.keys import KEY_ID_PARAMETER
 from triton_pipelines.server.control import restricted_api_flags
 from triton_pipelines.repository.contract import PYTHON_BACKEND_SHM_CONFIG
@@ -123,9 +123,10 @@ def server_command(options: ServerOptions, internal: InternalPorts, key: str, sh
         f"--exit-timeout-secs={options.exit_timeout_secs}",
         f"--log-verbose={options.log_verbose}",
         *restricted_api_flags(key),
-        # the API key id the request screen resolved reaches the router as a request parameter
+        # the API key id the request screen resolved reaches the router as a request parameter, and
+        # a gRPC client's deadline the models (limits.CLIENT_DEADLINE_PARAMETER)
         f"--http-header-forward-pattern=^{KEY_ID_PARAMETER}$",
-        f"--grpc-header-forward-pattern=^{KEY_ID_PARAMETER}$",
+        f"--grpc-header-forward-pattern=^({KEY_ID_PARAMETER}|{CLIENT_DEADLINE_PARAMETER})$",
     ]
     backend_config = (*PYTHON_BACKEND_CONFIG, f"shm-region-prefix-name={shm_prefix}")
     command += [f"--backend-config=python,{setting}" for setting in backend_config]

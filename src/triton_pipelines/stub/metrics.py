@@ -64,6 +64,10 @@ class RouterMetrics(MetricSet):
                           "asked for (from), the one that answered (to) and why", "counter"),
             "cooldowns": ("router_cooldowns_total", "Times a gateway model was cooled down (its circuit opened "
                           "after repeated failures; skipped while it lasts)", "counter"),
+            "over_reservation": ("router_over_reservation_total", "Gateway calls settled above their reservation "
+                                 "(charged in full), by API key name and model", "counter"),
+            "over_reservation_usd": ("router_over_reservation_usd_total", "USD gateway calls cost above their "
+                                     "reservations, by API key name and model", "counter"),
             "refusals": ("router_refusals_total", "Gateway requests refused before the gateway was called, by API "
                          "key name and reason (unauthenticated, model_not_allowed, over_budget, rate_limited)",
                          "counter"),
@@ -107,6 +111,10 @@ class RouterMetrics(MetricSet):
 
     def refusal(self, key_name: str, reason: str) -> None:
         self("refusals", key_name=key_name, reason=reason).increment(1)
+
+    def overspend(self, key_name: str, model: str, over_usd: float) -> None:
+        self("over_reservation", key_name=key_name, model=model).increment(1)
+        self("over_reservation_usd", key_name=key_name, model=model).increment(over_usd)
 
     def start_at_zero(self, tasks: Mapping[str, str], gateway_models: list[str]) -> None:
         """Create the known series at 0 (``tasks``: task → route): a counter first seen at 1 hides

@@ -14,7 +14,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from triton_pipelines.errors import INPUT_ERROR_PREFIX, InputError, error_kind
+from triton_pipelines.errors import INPUT_ERROR_PREFIX, InputError, RequestCancelled, error_kind
 
 
 Outputs = Mapping[str, np.ndarray]  # output name → array (the request's rows)
@@ -30,9 +30,11 @@ def response_error(reason: str, message: str):
 
 def error_response(error: Exception):
     """One request's error response: a bad input is INVALID_ARG with the message prefixed by
-    ``INPUT_ERROR_PREFIX``, anything else INTERNAL."""
+    ``INPUT_ERROR_PREFIX``, a request whose client has gone CANCELLED, anything else INTERNAL."""
     if isinstance(error, InputError):
         return pb_utils.InferenceResponse(error=response_error("invalid_input", INPUT_ERROR_PREFIX + str(error)))
+    if isinstance(error, RequestCancelled):
+        return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(error), pb_utils.TritonError.CANCELLED))
     return pb_utils.InferenceResponse(error=response_error("internal", str(error)))
 
 

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from tritonclient.grpc import service_pb2
 
 from triton_pipelines.front.screen import (MAX_DIMENSION, ScreenError, ScreenPolicy, check_grpc_request,
-                                     check_http_request, restarting_model_message)
+                                     check_http_request, check_request_parameter_names,
+                                     restarting_model_message)
 
 POLICY = ScreenPolicy(max_body_bytes=64 * 2**20, public_models=frozenset({"text_embedding", "router"}))
 
@@ -297,3 +298,10 @@ def test_a_dead_stub_error_becomes_a_retryable_answer():
                "message: Stub process 'text_tokenizer_0_0' is not healthy.")
     assert "retry" in restarting_model_message(message)
     assert restarting_model_message("invalid input: input 'text'[0] is not valid UTF-8") is None
+
+
+def test_the_forwarded_deadline_parameter_is_reserved():
+    from triton_pipelines.limits import CLIENT_DEADLINE_PARAMETER
+
+    refused(lambda: check_request_parameter_names([CLIENT_DEADLINE_PARAMETER.upper()]), "reserved",
+            CLIENT_DEADLINE_PARAMETER)

@@ -115,3 +115,53 @@ def test_a_refusal_on_a_stream_is_a_stream_response_with_its_error():
     for message in ("unknown model 'x'", "é" * 300):
         response = service_pb2.ModelStreamInferResponse.FromString(stream_error_response(message))
         assert response.error_message == message and not response.HasField("infer_response")
+
+
+async def grpc_exchange(timeout: float | None, metadata: tuple) -> tuple:
+    """One ModelInfer through a GrpcScreen to a fake Triton (grpc.aio) → the metadata Triton got."""
+    import grpc
+
+    from tests.unit.front.test_screen import grpc_request
+    from triton_pipelines.front.screen_server import GRPC_INFER_METHOD, GrpcScreen
+
+    seen = []
+
+    async def infer(request, context):
+        seen.append(tuple(context.invocation_metadata()))
+        return b""
+
+    class FakeTriton(grpc.GenericRpcHandler):
+        def service(self, details):
+            return grpc.unary_unary_rpc_method_handler(infer) if details.method == GRPC_INFER_METHOD else None
+
+    triton = grpc.aio.server()
+    triton.add_generic_rpc_handlers([FakeTriton()])
+    triton_port = triton.add_insecure_port("127.0.0.1:0")
+    await triton.start()
+    screen = GrpcScreen(ScreenPolicy(max_body_bytes=2**20, public_models=frozenset({"text_embedding"})),
+                        f"127.0.0.1:{triton_port}")
+    front = grpc.aio.server()
+    front.add_generic_rpc_handlers([screen.handler()])
+    front_port = front.add_insecure_port("127.0.0.1:0")
+    await front.start()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{front_port}") as channel:
+        await channel.unary_unary(GRPC_INFER_METHOD)(grpc_request(), timeout=timeout, metadata=metadata)
+    await front.stop(None)
+    await triton.stop(None)
+    return seen[0]
+
+
+def test_a_grpc_deadline_reaches_the_models_as_the_screens_own_parameter():
+    """Triton 2.51 never cancels an ensemble's running step (whisper_decode): the screen hands the
+    call's deadline on (limits.CLIENT_DEADLINE_PARAMETER, ns since the epoch); a client's own value
+    of that header never passes."""
+    import time
+
+    from triton_pipelines.limits import CLIENT_DEADLINE_PARAMETER
+
+    forged = ((CLIENT_DEADLINE_PARAMETER, "1"),)
+    before = time.time_ns()
+    seen = asyncio.run(grpc_exchange(5.0, forged))
+    values = [int(v) for k, v in seen if k == CLIENT_DEADLINE_PARAMETER]
+    assert len(values) == 1 and before + 3 * 10**9 < values[0] <= time.time_ns() + 5 * 10**9
+    assert not [v for k, v in asyncio.run(grpc_exchange(None, forged)) if k == CLIENT_DEADLINE_PARAMETER]

@@ -35,7 +35,7 @@ def test_an_admission_its_caller_leaves_settles_its_row_uncharged(tmp_path):
         return row
 
     ledger.admit = slow_admit
-    admission = Admission(table.prices, ledger, 2.0, Recorder(), lambda line: None)
+    admission = Admission(table.prices, ledger, 2.0, Recorder(), lambda line: None, table.output_limit)
     plan = Plan("gpt-4.1", ANONYMOUS, ("gpt-4.1",), time.monotonic() + 30, 30.0, "req-1", 10, 100)
 
     async def leave_during_admission():

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import time
 
 import pytest
 
@@ -210,3 +211,47 @@ def test_v1_health_needs_no_key_and_everything_else_under_v1_does():
                         b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"])
     assert answers[0] == (200, {"status": "ok"})
     assert answers[1][0] == 401
+
+
+def test_a_client_that_leaves_mid_body_leaves_no_traceback(capfd, caplog):
+    """The client resets the connection while its body is read: the read raises ConnectionResetError
+    in the handler (aiohttp cancels the handler only sometimes first: handler_cancellation is off here,
+    so it never does), which aiohttp would log with a traceback as a failed request (issue 33 §1)."""
+    import struct
+
+    from aiohttp import web
+
+    from triton_pipelines.openai_api.app import Frontend
+
+    keys = KeyRing.from_document({"keys": [{"key": KEY, "name": "team-a"}]})
+    body = json.dumps({"model": "text_embedding", "input": "hi"}).encode()
+    bodies = [request("/v1/embeddings", body, "application/json")[:-10],
+              multipart_request(b'Content-Disposition: form-data; name="file"; filename="a.wav"')[:-100]]
+
+    def leave(port, raw):
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as connection:
+            connection.sendall(raw)
+            time.sleep(0.2)
+            connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+    async def run():
+        frontend = Frontend(None, CATALOG, keys, lambda texts: 0)
+        runner = web.AppRunner(frontend.app(), access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        try:
+            for raw in bodies:
+                await asyncio.get_running_loop().run_in_executor(None, leave, port, raw)
+            await asyncio.sleep(0.3)
+            return frontend.metrics.render(), await asyncio.get_running_loop().run_in_executor(
+                None, send, port, b"GET /v1/health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        finally:
+            await runner.cleanup()
+
+    metrics, health = asyncio.run(run())
+    assert health == (200, {"status": "ok"})
+    logged = capfd.readouterr().err + caplog.text  # aiohttp logs to its logger (stderr in the server)
+    assert "Traceback" not in logged and "Error handling request" not in logged, logged
+    assert 'code="499"' in metrics

@@ -360,9 +360,9 @@ def test_without_partials_only_the_final_response_is_sent_and_groups_are_respect
 
 
 def test_a_cancelled_request_stops_decoding_and_gets_one_empty_final_response(monkeypatch):
-    from triton_pipelines.pipelines.speech import streaming
+    from triton_pipelines.pipelines.speech import jobs
 
-    monkeypatch.setattr(streaming, "CANCEL_CHECK_S", 0.0)  # ask at every step (a real step takes ms)
+    monkeypatch.setattr(jobs, "CANCEL_CHECK_S", 0.0)  # ask at every step (a real step takes ms)
     steps = []
     script = {0: list(range(1, 40)), 1: [7, 8]}
     sent = run_stream([job(0), job(1)], script, cancelled=lambda i: i == 0 and len(steps.append(1) or steps) > 3)

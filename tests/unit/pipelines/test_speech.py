@@ -16,7 +16,9 @@ from triton_pipelines.pipelines.speech.audio import decode_audio
 from triton_pipelines.pipelines.speech.config import MAX_TARGET_POSITIONS, SAMPLE_RATE, WINDOW_SAMPLES
 from triton_pipelines.pipelines.speech.decoding import GreedyBatch, GreedyDecoder, cross_names
 from triton_pipelines.pipelines.speech.features import load_mel_filters, log_mel_spectrogram
-from triton_pipelines.pipelines.speech.jobs import (DecodeJob, decode_group_size, decode_jobs, group_windows,
+from triton_pipelines.errors import RequestCancelled
+from triton_pipelines.pipelines.speech.jobs import (CancelWatch, DecodeJob, client_gone, deadline_passed,
+                                                    decode_group_size, decode_jobs, group_windows,
                                                     join_transcript, plan_request, transcript_outputs)
 from triton_pipelines.pipelines.speech.tokenizer import WhisperTokenizer, suppress_mask
 from triton_pipelines.pipelines.speech.windows import (SEAM_QUIET_SECONDS, SEAM_SEARCH_SECONDS, pad_windows,
@@ -428,12 +430,80 @@ def test_decode_jobs_decodes_in_groups_and_regroups_per_item():
                       np.full(2, 5), [2])]
     groups = []
 
-    def decode_group(features, prompts, bounds):
+    def decode_group(features, prompts, bounds, on_step):
         groups.append(features[:, 0, 0].tolist())
         return [[int(f)] for f in features[:, 0, 0]]
 
     assert decode_jobs(jobs, 2, decode_group) == [[[[0], [1]], [[2]]], [[[3], [4]]]]
     assert groups == [[0, 1], [2, 3], [4]]
+
+
+def counting_group(steps: list):
+    """A decode_group whose windows would each run 100 steps; ``steps`` gets the running windows'
+    features (their ids) at every step."""
+    def group(features, prompts, bounds, on_step):
+        state = GreedyBatch(prompts, 0, 100, np.zeros(8, np.float32))
+        while not state.done:
+            steps.append([int(features[w, 0, 0]) for w in state.active])
+            logits = np.zeros((len(state.active), 8), np.float32)
+            logits[:, 3] = 1.0  # never <|endoftext|> (0)
+            state.advance(logits)
+            on_step(state)
+        return state.tokens
+    return group
+
+
+def test_a_job_whose_client_has_gone_gets_no_more_steps_and_its_neighbour_is_decoded():
+    gone_after = {"steps": 3}
+    steps: list = []
+    jobs = [DecodeJob(np.array([0., 1., 2.], np.float32)[:, None, None], np.zeros((3, 4), np.int64),
+                      np.full(3, 100), [3], cancelled=lambda: len(steps) >= gone_after["steps"]),
+            DecodeJob(np.array([3.], np.float32)[:, None, None], np.zeros((1, 4), np.int64), np.full(1, 100), [1])]
+    watch = CancelWatch(lambda index: jobs[index].cancelled(), interval=0.0)
+    gone, served = decode_jobs(jobs, 2, counting_group(steps), watch)
+    assert isinstance(gone, RequestCancelled) and "client has gone" in str(gone)
+    assert served == [[[3] * 100]]  # the neighbour's window ran to its bound
+    # the first group (windows 0 and 1) ended at the step that saw the client gone; window 2, in
+    # the neighbour's group, is stopped at its first step and leaves the batch at the next one;
+    # window 3 (the neighbour) runs on alone
+    assert steps == [[0, 1]] * 3 + [[2, 3]] * 2 + [[3]] * 98
+
+
+def test_a_group_of_only_gone_jobs_is_not_decoded():
+    steps: list = []
+    jobs = [DecodeJob(np.zeros((2, 1, 1), np.float32), np.zeros((2, 4), np.int64), np.full(2, 100), [2],
+                      cancelled=lambda: True)]
+    assert isinstance(decode_jobs(jobs, 2, counting_group(steps))[0], RequestCancelled) and steps == []
+
+
+def test_cancel_watch_asks_at_most_once_per_interval_and_gone_stays_gone():
+    now, asked, answer = [0.0], [], [False]
+    watch = CancelWatch(lambda index: asked.append(index) or answer[0], interval=0.1, clock=lambda: now[0])
+    assert not watch(0) and not watch(0) and asked == [0]  # the second question is not asked
+    answer[0] = True
+    now[0] = 0.05
+    assert not watch(0) and asked == [0]
+    now[0] = 0.1
+    assert watch(0) and asked == [0, 0]
+    answer[0] = False
+    now[0] = 1.0
+    assert watch(0) and asked == [0, 0]  # gone: not asked again
+    assert not watch(1) and asked == [0, 0, 1]  # per request
+
+
+def test_a_forwarded_deadline_that_has_passed_means_the_client_has_gone():
+    from triton_pipelines.limits import CLIENT_DEADLINE_PARAMETER
+
+    asked = []
+    parameters = {CLIENT_DEADLINE_PARAMETER: "1000"}
+    assert deadline_passed(parameters, 1000) and not deadline_passed(parameters, 999)
+    assert not deadline_passed({}, 10**20)
+    assert not deadline_passed({CLIENT_DEADLINE_PARAMETER: "soon"}, 10**20)
+    gone = client_gone(parameters, lambda: asked.append(1) or False, clock=lambda: 2000)
+    assert gone() and asked == []  # past the deadline: Triton is not asked
+    waiting = client_gone(parameters, lambda: asked.append(1) or True, clock=lambda: 10)
+    assert waiting() and asked == [1]  # before it: cancelled by Triton
+    assert not client_gone({}, lambda: False)()
 
 
 def test_a_group_is_one_encoder_calls_worth_on_both_targets():

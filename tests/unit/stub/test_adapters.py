@@ -250,6 +250,35 @@ def test_whisper_decode_adapter_gives_the_in_process_tokens_across_decoder_insta
     assert served["transcript"][0, 0].decode().startswith("Hello")
 
 
+@pytest.mark.slow
+def test_whisper_decode_stops_a_request_whose_client_has_gone_and_answers_its_neighbour(pb):
+    """One batch, two requests: the first one's client has gone (cancelled, or past the deadline the
+    screen forwards); it is answered CANCELLED (its window leaves the batch after the first step),
+    the other one gets its transcript."""
+    import time
+
+    from triton_pipelines.limits import CLIENT_DEADLINE_PARAMETER
+
+    features_model = initialized(ROOT / "python_models" / "audio_features" / "model.py", "audio_features")
+    decode_model = initialized(ROOT / "python_models" / "whisper_decode" / "model.py", "whisper_decode")
+    pb.MODELS["whisper_encoder"] = initialized(ONNX_RUNNER_TEMPLATE, "whisper_encoder")
+    decoder = initialized(ONNX_RUNNER_TEMPLATE, "whisper_decoder")
+    calls = []
+    pb.MODELS["whisper_decoder"] = lambda: calls.append(1) or decoder
+    wav = (ROOT / "tests" / "data" / "speech_hello.wav").read_bytes()
+    (features,) = features_model.execute([pb.Request({"audio": np.array([[wav]], dtype=object)})])
+    inputs = {**outputs(features), "max_new_tokens": np.array([[24]], np.int32)}
+    past = {CLIENT_DEADLINE_PARAMETER: str(time.time_ns() - 1)}
+    cancelled = pb.Request(inputs)
+    cancelled.cancelled = True
+    for gone in (cancelled, pb.Request(inputs, parameters=past)):
+        calls.clear()
+        left, served = decode_model.execute([gone, pb.Request(inputs)])
+        assert left.has_error() and left.error().code() == pb.TritonError.CANCELLED
+        assert "client has gone" in left.error().message()
+        assert outputs(served)["transcript"][0, 0].decode().startswith("Hello") and 3 < len(calls) <= 24
+
+
 def test_only_the_stub_package_imports_triton():
     """The package docstring's promise: outside ``triton_pipelines.stub`` nothing imports Triton's
     stub module, so all of it runs (and is tested) without a server."""

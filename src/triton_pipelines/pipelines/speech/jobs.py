@@ -1,15 +1,18 @@
 """A request's decoding job: its tensors validated into windows, prompts and token bounds
-(``plan_request``), the windows of a batch's jobs decoded a group at a time, and the transcripts
-and token ids of ``whisper_decode``'s outputs."""
+(``plan_request``), the windows of a batch's jobs decoded a group at a time (a job whose client
+has gone leaves at the next step: ``CancelWatch``), and the transcripts and token ids of
+``whisper_decode``'s outputs."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Sequence
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from triton_pipelines.errors import InputError, decode_utf8
+from triton_pipelines.errors import InputError, RequestCancelled, decode_utf8
+from triton_pipelines.limits import CLIENT_DEADLINE_PARAMETER
 from triton_pipelines.pipelines.speech.config import DEFAULT_LANGUAGE, DEFAULT_MAX_NEW_TOKENS, DEFAULT_TASK, MAX_TARGET_POSITIONS, PROMPT_LENGTH
 from triton_pipelines.pipelines.speech.tokenizer import WhisperTokenizer
 
@@ -43,6 +46,8 @@ class DecodeJob:
     prompts: np.ndarray  # [windows, 4] int64
     max_new_tokens: np.ndarray  # [windows] int64
     windows_per_item: list[int]
+    # Whether its client has gone (cancelled, or past its deadline: ``client_gone``).
+    cancelled: Callable[[], bool] = field(default=lambda: False, repr=False, compare=False)
 
 
 def plan_request(tokenizer: WhisperTokenizer, features: np.ndarray, num_windows: np.ndarray | None,
@@ -92,24 +97,83 @@ def decode_group_size(decoder_max_batch: int, encoder_max_batch: int) -> int:
     return min(decoder_max_batch, encoder_max_batch)
 
 
-def decode_jobs(jobs: Sequence[DecodeJob], group_size: int,
-                decode_group: Callable[[np.ndarray, np.ndarray, np.ndarray], list[list[int]]]
-                ) -> list[list[list[list[int]]]]:
+# How often a request's cancellation is asked for while it decodes (a decoder step of Whisper
+# base takes ~20-60 ms on a CPU, a few ms on a GPU).
+CANCEL_CHECK_S = 0.1
+
+
+def deadline_passed(parameters: Mapping[str, Any], now_ns: int) -> bool:
+    """Whether the client's deadline the screen forwarded (``limits.CLIENT_DEADLINE_PARAMETER``: ns
+    since the epoch, a string) has passed; False without one."""
+    value = parameters.get(CLIENT_DEADLINE_PARAMETER)
+    try:
+        return value is not None and now_ns >= int(value)
+    except (TypeError, ValueError):
+        return False
+
+
+def client_gone(parameters: Mapping[str, Any], is_cancelled: Callable[[], bool],
+                clock: Callable[[], int] = time.time_ns) -> Callable[[], bool]:
+    """A request's "has its client gone?": past its forwarded deadline (an ensemble's running step
+    is never cancelled by Triton 2.51) or cancelled (``request.is_cancelled()``: a round trip to the
+    server, asked only when the deadline has not passed)."""
+    return lambda: deadline_passed(parameters, clock()) or bool(is_cancelled())
+
+
+class CancelWatch:
+    """Whether each request's client has gone: ``cancelled(index)`` asked at most every
+    ``interval`` per request (each question may be a round trip from the stub to the server);
+    once gone, gone."""
+
+    def __init__(self, cancelled: Callable[[int], bool], interval: float | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.cancelled = cancelled
+        self.interval = CANCEL_CHECK_S if interval is None else interval
+        self.clock = clock
+        self.gone: set[int] = set()
+        self.checked: dict[int, float] = {}
+
+    def __call__(self, index: int) -> bool:
+        now = self.clock()
+        if index not in self.gone and now - self.checked.get(index, -1e18) >= self.interval:
+            self.checked[index] = now
+            if self.cancelled(index):
+                self.gone.add(index)
+        return index in self.gone
+
+
+def decode_jobs(jobs: Sequence[DecodeJob], group_size: int, decode_group: Callable[..., list[list[int]]],
+                watch: CancelWatch | None = None) -> list[list[list[list[int]]] | RequestCancelled]:
     """Every window of every job, decoded ``group_size`` windows at a time by
-    ``decode_group(features, prompts, max_new_tokens)`` → per job, per item, per window: the ids."""
+    ``decode_group(features, prompts, max_new_tokens, on_step)`` → per job, per item, per window:
+    the ids. A job whose client has gone (``watch``, by default each job's ``cancelled``) gets no
+    more steps: its windows leave the group at the next step, a group of only such windows is not
+    decoded, and its result is ``RequestCancelled``."""
+    watch = watch or CancelWatch(lambda index: jobs[index].cancelled())
     # One request per batch (the common case at low load) needs no copy of its windows.
     join = lambda arrays: arrays[0] if len(arrays) == 1 else np.concatenate(arrays)  # noqa: E731
     features = join([job.features for job in jobs])
     prompts = join([job.prompts for job in jobs])
     bounds = join([job.max_new_tokens for job in jobs])
-    window_tokens = []
+    owner = np.repeat(np.arange(len(jobs)), [len(job.features) for job in jobs])  # window → job
+    window_tokens: list[list[int]] = []
     for start in range(0, len(features), group_size):
-        stop = start + group_size
-        window_tokens += decode_group(features[start:stop], prompts[start:stop], bounds[start:stop])
+        stop = min(start + group_size, len(features))
+        if all(watch(int(index)) for index in set(owner[start:stop].tolist())):
+            window_tokens += [[] for _ in range(start, stop)]
+            continue
+
+        def on_step(state, start=start, stop=stop):
+            gone = [row for row in range(stop - start) if watch(int(owner[start + row]))]
+            if gone:
+                state.stop(gone)
+        window_tokens += decode_group(features[start:stop], prompts[start:stop], bounds[start:stop], on_step)
     result, offset = [], 0
-    for job in jobs:
+    for index, job in enumerate(jobs):
         count = sum(job.windows_per_item)
-        result.append(group_windows(window_tokens[offset:offset + count], job.windows_per_item))
+        result.append(RequestCancelled("the request's client has gone (cancelled or past its deadline): "
+                                       "its decoding stopped") if index in watch.gone
+                      else group_windows(window_tokens[offset:offset + count], job.windows_per_item))
         offset += count
     return result
 

@@ -5,7 +5,6 @@ a response whenever a request's prefix grows."""
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -14,7 +13,7 @@ import numpy as np
 from triton_pipelines.errors import InputError, as_bytes
 from triton_pipelines.pipelines.speech.decoding import GreedyBatch
 from triton_pipelines.pipelines.speech.features import audio_to_timed_features
-from triton_pipelines.pipelines.speech.jobs import plan_request
+from triton_pipelines.pipelines.speech.jobs import CancelWatch, plan_request
 from triton_pipelines.pipelines.speech.tokenizer import WhisperTokenizer
 
 
@@ -39,11 +38,6 @@ def text_delta(sent: str, now: str) -> str:
     """What to send after ``sent`` to reach ``now``: the new suffix, or "" when ``now`` does not
     extend ``sent`` (it will when the window finishes; the final text is sent whole anyway)."""
     return now[len(sent):] if now.startswith(sent) and len(now) > len(sent) else ""
-
-
-# How often a streamed request's cancellation is asked for while it decodes (a decoder step of
-# Whisper base takes ~20-60 ms on a CPU, a few ms on a GPU).
-CANCEL_CHECK_S = 0.1
 
 
 @dataclass
@@ -94,8 +88,8 @@ class StreamDecode:
         self.tokens: list[list[int]] = [[] for _ in range(start)]
         self.finished = np.zeros(start, dtype=bool)
         self.sent = {index: "" for index in self.ranges}
-        self.gone: set[int] = set()
-        self.checked: dict[int, float] = {}
+        self._cancelled = CancelWatch(cancelled)  # asked of Triton at most every CANCEL_CHECK_S
+        self.gone = self._cancelled.gone
 
     def run(self) -> None:
         live = [(i, self.jobs[i]) for i in self.ranges]
@@ -121,16 +115,6 @@ class StreamDecode:
             segments = json.dumps([{"start": round(s, 3), "end": round(e, 3), "text": text, "tokens": tokens}
                                    for (s, e), text, tokens in zip(self.jobs[index].spans, texts, self.tokens[a:b])])
             self.send(index, stream_outputs(transcript, text_delta(self.sent[index], transcript), True, segments), True)
-
-    def _cancelled(self, index: int) -> bool:
-        """Asked of Triton at most every ``CANCEL_CHECK_S`` per request (each question is a round trip
-        from the stub to the server)."""
-        now = time.monotonic()
-        if index not in self.gone and now - self.checked.get(index, -1e9) >= CANCEL_CHECK_S:
-            self.checked[index] = now
-            if self.cancelled(index):
-                self.gone.add(index)
-        return index in self.gone
 
     def _step(self, offset: int, state: "GreedyBatch") -> None:
         count = len(state.tokens)
