@@ -52,6 +52,31 @@ class TritonPythonModel:
         return responses
 '''
 
+# Decoupled: two partial responses, then the final one (data and the final flag together).
+PARTIALS_CONFIG = '''name: "partials"
+backend: "python"
+max_batch_size: 0
+model_transaction_policy { decoupled: true }
+input [ { name: "seconds" data_type: TYPE_FP32 dims: [ 1 ] } ]
+output [ { name: "seconds" data_type: TYPE_FP32 dims: [ 1 ] } ]
+instance_group [ { count: 1 kind: KIND_CPU } ]
+'''
+PARTIALS_MODEL = '''
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            seconds = pb_utils.get_input_tensor_by_name(request, "seconds").as_numpy()
+            for _ in range(2):
+                sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("seconds", seconds)]))
+            sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("seconds", seconds)]),
+                        flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+'''
+
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
@@ -59,6 +84,9 @@ def server(tmp_path_factory):
     (repository / "sleeper" / "1").mkdir(parents=True)
     (repository / "sleeper" / "config.pbtxt").write_text(SLEEPER_CONFIG)
     (repository / "sleeper" / "1" / "model.py").write_text(SLEEPER_MODEL)
+    (repository / "partials" / "1").mkdir(parents=True)
+    (repository / "partials" / "config.pbtxt").write_text(PARTIALS_CONFIG)
+    (repository / "partials" / "1" / "model.py").write_text(PARTIALS_MODEL)
     launched = start_on_free_ports(repository, LOG_DIR / "test-grpc-places-server.log", timeout_s=180,
                                    max_inflight=MAX_INFLIGHT)
     yield launched
@@ -155,6 +183,28 @@ def test_a_stream_waiting_longer_than_nginx_body_timeout_for_its_answer_is_not_r
         result, error = results.get(timeout=90)
         assert error is None, error
         assert result.as_numpy("seconds")[0] == 35.0 and time.monotonic() - started >= 35
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+def test_a_decoupled_requests_place_is_given_back_with_its_final_response(server):
+    """Three times the server's limit of requests to a decoupled model on one stream: each holds
+    its place until Triton's final response (tritonserver 2.51 marks the partial ones
+    triton_final_response false, the last true), so the stream goes on past its share and every
+    request is answered in full."""
+    count = 3 * MAX_INFLIGHT
+    results: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    try:
+        for i in range(count):
+            client.async_stream_infer("partials", sleep_input(0.0), request_id=str(i))
+        answered = [results.get(timeout=60) for _ in range(3 * count)]
+        assert [error for _, error in answered] == [None] * (3 * count)
+        marks = [result.get_response().parameters["triton_final_response"].bool_param for result, _ in answered]
+        finals = [int(result.get_response().id) for (result, _), final in zip(answered, marks) if final]
+        assert sorted(finals) == list(range(count)) and marks.count(False) == 2 * count
     finally:
         client.stop_stream()
         client.close()
