@@ -138,7 +138,7 @@ def test_each_request_on_a_stream_takes_a_place_and_the_stream_waits_past_its_sh
             triton.release()
             for _ in range(partials + 1):
                 responses.append(service_pb2.ModelStreamInferResponse.FromString(await call.read()))
-            await wait_for(lambda: len(triton.received) == min(8, done + 3))
+            await wait_for(lambda done=done: len(triton.received) == min(8, done + 3))
             assert places.taken <= 2
         assert [r.infer_response.id for r in responses] == [str(i) for i in range(8) for _ in range(partials + 1)]
         assert await call.read() is grpc.aio.EOF
