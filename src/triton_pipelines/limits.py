@@ -40,3 +40,24 @@ SELF_HOSTED_DEADLINE_S = 60.0
 MAX_TEXT_BYTES = 64 * 1024
 # Texts per batch: text_embedding's max_batch_size, /v1/embeddings' chunk, the router's rows.
 TEXT_MAX_BATCH = 64
+
+# ------------------------------------------------------------------------------- gRPC places (screen)
+# One client's share of DEFAULT_MAX_INFLIGHT (its address) when none is given: half of the limit.
+CLIENT_SHARE_DIVISOR = 2
+# A ModelStreamInfer stream that sends no request message within this time of its start is closed by
+# the screen (DEADLINE_EXCEEDED): an idle stream holds none of the in-flight places, but it holds a
+# stream of nginx's and of the screen's.
+STREAM_FIRST_MESSAGE_S = 10.0
+
+
+def client_share(max_inflight: int, per_client: int | None) -> int:
+    """One client's share of ``max_inflight``: ``per_client`` (0: no share), by default half of it."""
+    return max(1, max_inflight // CLIENT_SHARE_DIVISOR) if per_client is None else per_client
+
+
+def replica_part(total: int, replicas: int, index: int) -> int:
+    """Replica ``index``'s part of a limit split over ``replicas`` request screens (the parts add up
+    to ``total``; at least 1 each). 0 stays 0 (no limit)."""
+    if total == 0:
+        return 0
+    return max(1, total // replicas + (1 if index < total % replicas else 0))

@@ -11,14 +11,20 @@ and enforces, before anything is copied into Triton:
   ``max_json_bytes``; no ``Content-Encoding`` (a compressed body could inflate past both limits).
   Over a limit: 413 with a JSON error that names the limit and the remedy.
 - gRPC (HTTP/2): every message at most ``max_body_bytes``; over it, ``RESOURCE_EXHAUSTED``.
-- Inference requests in flight, both ports together: at most ``max_inflight``; one more is refused
-  at once with 503 (``Retry-After: 1``) / ``UNAVAILABLE``. HTTP requests are counted once nginx has
-  their whole body (a loopback "gate" server after the public one), so slow senders hold no place;
-  a gRPC request is counted from its headers (its message streams through to Triton).
+- Inference requests in flight: at most ``max_inflight`` on each public port; one more is refused
+  at once with 503 (``Retry-After: 1``) / ``UNAVAILABLE``. HTTP requests (native and ``/v1``) are
+  counted here once nginx has their whole body (a loopback "gate" server after the public one), so
+  slow senders hold no place. gRPC requests are counted in the request screens (``places.py``),
+  once each message has arrived, one place per request of a ``ModelStreamInfer`` stream: nginx
+  would count a stream from its HEADERS frame, with or without requests in it. nginx passes the
+  client's address to the screen (``CLIENT_ADDRESS_HEADER``) for its share.
 - Inference requests go to each replica's request screen (``screen_server.py``), which reads the
   body nginx cannot (crashers inside the size limits, non-public models); the rest goes to Triton.
-- One client (its address) holds at most ``max_inflight_per_client`` of those places, and one
-  HTTP/2 connection at most 128 streams; the request line and each header at most 8 KiB.
+- One client (its address) holds at most ``max_inflight_per_client`` of those places (and as many
+  gRPC inference streams, counted here), and one HTTP/2 connection at most 128 streams; the request
+  line and each header at most 8 KiB. A ``ModelStreamInfer`` stream may stay open without traffic
+  for the upstream timeout (a client waits there for its responses with its request side open); the
+  screen closes one that sends no request within ``limits.STREAM_FIRST_MESSAGE_S``.
 - Only the public APIs pass (health, metadata, config, statistics, inference). The model-repository,
   shared-memory, logging and trace APIs answer 403 / ``PERMISSION_DENIED`` here on both protocols;
   they are also restricted with a key inside Triton (``control.py``), reachable on loopback only.
@@ -63,6 +69,9 @@ GRPC_UNIMPLEMENTED = 12
 GRPC_UNAVAILABLE = 14
 # nginx's buffers for the request line and each header: longer ones are refused with 400.
 HEADER_BUFFER_KB = 8
+# The gRPC metadata in which nginx tells the screen the client's address (its share of the places);
+# set by nginx whatever the client sent, dropped by the screen before Triton.
+CLIENT_ADDRESS_HEADER = "x-triton-pipelines-client"
 
 
 def regex_at_most(limit: int) -> str:
@@ -172,12 +181,18 @@ def _message_values(config: ProxyConfig) -> dict[str, object]:
             "max_inflight_per_client": config.max_inflight_per_client}
 
 
+def grpc_overloaded_message(max_inflight: int, max_inflight_per_client: int) -> str:
+    """The gRPC port's overload answer (the request screens give it): the server's limit, and the
+    client's share when there is one."""
+    key = "grpc_overloaded_per_client" if max_inflight_per_client else "grpc_overloaded"
+    return MESSAGES[key].format(max_inflight=max_inflight, max_inflight_per_client=max_inflight_per_client)
+
+
 def messages(config: ProxyConfig) -> dict[str, str]:
     """``MESSAGES`` for ``config``'s limits; ``grpc_overloaded`` names the client's share when there is one."""
     values = _message_values(config)
     texts = {key: text.format(**values) for key, text in MESSAGES.items()}
-    if config.max_inflight_per_client:
-        texts["grpc_overloaded"] = texts["grpc_overloaded_per_client"]
+    texts["grpc_overloaded"] = grpc_overloaded_message(config.max_inflight, config.max_inflight_per_client)
     return texts
 
 
@@ -247,5 +262,6 @@ def render_config(config: ProxyConfig, temp_dir: Path | None = None) -> str:
         "grpc_resource_exhausted": GRPC_RESOURCE_EXHAUSTED,
         "grpc_unimplemented": GRPC_UNIMPLEMENTED,
         "grpc_unavailable": GRPC_UNAVAILABLE,
+        "client_address_header": CLIENT_ADDRESS_HEADER,
     }
     return NginxTemplate(TEMPLATE.read_text()).substitute(values)

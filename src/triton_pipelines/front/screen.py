@@ -454,6 +454,40 @@ def check_grpc_request(policy: ScreenPolicy, message: bytes | memoryview) -> str
     return model
 
 
+# ModelStreamInferResponse / ModelInferResponse / InferParameter field numbers (grpc_service.proto).
+STREAM_ERROR_MESSAGE, STREAM_INFER_RESPONSE = 1, 2
+RESPONSE_PARAMETERS = 4
+PARAMETER_BOOL = 1
+# Triton's mark of a request's last response on a stream (true; false on a decoupled model's others).
+FINAL_RESPONSE_PARAMETER = "triton_final_response"
+
+
+def is_final_response(message: bytes | memoryview) -> bool:
+    """Whether a serialized ``ModelStreamInferResponse`` is the last one of its request: Triton
+    marks it with ``triton_final_response`` (false on a decoupled model's partial responses); a
+    response without the mark (a non-decoupled model's only response, an error for a request it could
+    not start) is its request's last. A message we cannot read counts as the last, so a place is never
+    kept by one."""
+    try:
+        for number, _, value in fields(memoryview(message)):
+            if number != STREAM_INFER_RESPONSE or not isinstance(value, memoryview):
+                continue
+            for field, _, entry in fields(value):
+                if field != RESPONSE_PARAMETERS or not isinstance(entry, memoryview):
+                    continue
+                key, parameter = "", None
+                for part, _, item in fields(entry):
+                    if part == 1 and isinstance(item, memoryview):
+                        key = bytes(item).decode("utf-8", "replace")
+                    elif part == 2:
+                        parameter = item
+                if key == FINAL_RESPONSE_PARAMETER and isinstance(parameter, memoryview):
+                    return any(n == PARAMETER_BOOL and v == 1 for n, _, v in fields(parameter))
+    except WireError:
+        pass
+    return True
+
+
 # ------------------------------------------------------------------------------------------ answers
 STUB_DEAD = re.compile(r"Stub process .*is not healthy|Failed to .*stub|stub process is not (healthy|alive)",
                        re.IGNORECASE)

@@ -7,7 +7,12 @@ a request that met a dead Python stub becomes a retryable 503 / ``UNAVAILABLE``.
 and statistics go from nginx to Triton directly.
 
     python -m triton_pipelines screen --http-port P --grpc-port Q \\
-        --triton-http 127.0.0.1:A --triton-grpc 127.0.0.1:B --max-body-bytes N [--public-models-file F]
+        --triton-http 127.0.0.1:A --triton-grpc 127.0.0.1:B --max-body-bytes N [--public-models-file F] \\
+        [--max-inflight M --max-inflight-per-client C --replicas R --replica-index I]
+
+gRPC requests are counted here, not in nginx (``places.py``): this replica's part of the server's
+``--max-inflight`` (and of a client's share), one place per ``ModelInfer`` request once its message
+has arrived and per request message of a ``ModelStreamInfer`` stream until its final response.
 
 HTTP from nginx is well-formed HTTP/1.1 with a ``Content-Length`` (nginx buffered the body); the
 forwarder speaks exactly that, with a pool of keep-alive connections to Triton (``http1.py``).
@@ -25,11 +30,15 @@ import time
 from pathlib import Path
 from urllib.parse import unquote
 
-from triton_pipelines.limits import CLIENT_DEADLINE_PARAMETER, REQUEST_TIMEOUT_S
+from triton_pipelines.limits import (CLIENT_DEADLINE_PARAMETER, DEFAULT_MAX_INFLIGHT, REQUEST_TIMEOUT_S,
+                                    STREAM_FIRST_MESSAGE_S, client_share, replica_part)
 from triton_pipelines.gateway.keys import KEY_ID_PARAMETER, KeyRing, bearer_secret, keys_from_environment
 from triton_pipelines.errors import REFUSAL_STATUSES, parse_refusal
 from triton_pipelines.http1 import Upstream, header, read_body, read_head
-from triton_pipelines.front.screen import ScreenError, ScreenPolicy, check_grpc_request, check_http_request, restarting_model_message
+from triton_pipelines.front.nginx_config import CLIENT_ADDRESS_HEADER, grpc_overloaded_message
+from triton_pipelines.front.places import Places
+from triton_pipelines.front.screen import (ScreenError, ScreenPolicy, check_grpc_request, check_http_request,
+                                           is_final_response, restarting_model_message)
 
 GRPC_INFER_METHOD = "/inference.GRPCInferenceService/ModelInfer"
 # Streaming inference (decoupled models: speech_recognition_stream): every request message of the
@@ -189,20 +198,25 @@ class HttpScreen:
 
 
 class GrpcScreen:
-    """ModelInfer only, as raw bytes both ways: checked, then forwarded with the caller's metadata
-    and deadline; the caller's cancellation cancels the forwarded call."""
+    """ModelInfer and ModelStreamInfer, as raw bytes both ways: checked, counted (``places``), then
+    forwarded with the caller's metadata and deadline; the caller's cancellation cancels the
+    forwarded call. ``overloaded``: the answer when there is no place for a ModelInfer request."""
 
     # authorization: the key's secret never reaches Triton (its id does, for the router); the
     # deadline header is the screen's own (client_deadline)
     _DROP = {"user-agent", "grpc-accept-encoding", "grpc-encoding", "te", "content-type", "authorization",
-             KEY_ID_PARAMETER, CLIENT_DEADLINE_PARAMETER}
+             KEY_ID_PARAMETER, CLIENT_DEADLINE_PARAMETER, CLIENT_ADDRESS_HEADER}
 
-    def __init__(self, policy: ScreenPolicy, triton_grpc: str, keys: KeyRing | None = None):
+    def __init__(self, policy: ScreenPolicy, triton_grpc: str, keys: KeyRing | None = None,
+                 places: Places | None = None, overloaded: str = "", first_message_s: float = STREAM_FIRST_MESSAGE_S):
         import grpc
 
         self.grpc = grpc
         self.policy = policy
         self.keys = keys
+        self.places = places or Places(DEFAULT_MAX_INFLIGHT)
+        self.overloaded = overloaded or grpc_overloaded_message(self.places.capacity, self.places.per_client)
+        self.first_message_s = first_message_s
         self.channel = grpc.aio.insecure_channel(triton_grpc, options=[
             ("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)])
         self.call = self.channel.unary_unary(GRPC_INFER_METHOD)
@@ -237,48 +251,79 @@ class GrpcScreen:
             metadata += ((KEY_ID_PARAMETER, key_id),)
         remaining = context.time_remaining()
         metadata += client_deadline(remaining)
+        client = client_address(received)
+        if not self.places.try_take(client):
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self.overloaded, (("retry-after", "1"),))
         try:
             return await self.call(request, timeout=remaining, metadata=metadata)
         except grpc.aio.AioRpcError as error:
-            code, details = error.code(), error.details() or ""
-            restarting = restarting_model_message(details) if code == grpc.StatusCode.INTERNAL else None
-            refused = parse_refusal(details) if code in (grpc.StatusCode.UNAVAILABLE,
-                                                         grpc.StatusCode.INVALID_ARGUMENT) else None
-            if refused is not None:
-                status, retry_after, message = refused
-                trailing = (("retry-after", str(retry_after)),) if retry_after is not None else ()
-                await context.abort(getattr(grpc.StatusCode, REFUSAL_STATUSES[status]), message, trailing)
-            if restarting:
-                code, details = grpc.StatusCode.UNAVAILABLE, restarting
-            elif code == grpc.StatusCode.UNAVAILABLE and _TRANSPORT_FAILURE.search(details):
-                # Triton itself is not there (a restart): say so, not the channel's internals. A
-                # model's own UNAVAILABLE (e.g. the router's "gateway not configured") passes as is.
-                details = "the inference server is starting or restarting: retry shortly"
-            await context.abort(code, details)
+            await self._abort_with(context, error)
+        finally:
+            self.places.give_back(client)
+
+    async def _abort_with(self, context, error) -> None:
+        """Triton's failure of a ModelInfer call, as the caller should see it."""
+        grpc = self.grpc
+        code, details = error.code(), error.details() or ""
+        restarting = restarting_model_message(details) if code == grpc.StatusCode.INTERNAL else None
+        refused = parse_refusal(details) if code in (grpc.StatusCode.UNAVAILABLE,
+                                                     grpc.StatusCode.INVALID_ARGUMENT) else None
+        if refused is not None:
+            status, retry_after, message = refused
+            trailing = (("retry-after", str(retry_after)),) if retry_after is not None else ()
+            await context.abort(getattr(grpc.StatusCode, REFUSAL_STATUSES[status]), message, trailing)
+        if restarting:
+            code, details = grpc.StatusCode.UNAVAILABLE, restarting
+        elif code == grpc.StatusCode.UNAVAILABLE and _TRANSPORT_FAILURE.search(details):
+            # Triton itself is not there (a restart): say so, not the channel's internals. A
+            # model's own UNAVAILABLE (e.g. the router's "gateway not configured") passes as is.
+            details = "the inference server is starting or restarting: retry shortly"
+        await context.abort(code, details)
 
 
     async def stream(self, requests, context):
-        """ModelStreamInfer: each request message checked, then written to Triton's stream; Triton's
-        responses come back as they are. A refused message is answered on the stream with its error
-        (as Triton answers a failed request there) and the stream goes on; the caller's cancellation
-        cancels the forwarded stream."""
+        """ModelStreamInfer: each request message checked, given a place (the stream is not read on
+        while there is none for this client), then written to Triton's stream; the place is given
+        back with that request's final response (``is_final_response``). Triton's responses come
+        back as they are. A refused message is answered on the stream with its error (as Triton
+        answers a failed request there) and the stream goes on; a stream that sends no request
+        within ``first_message_s`` is closed; the caller's cancellation cancels the forwarded stream."""
         grpc = self.grpc
-        metadata = tuple((k, v) for k, v in context.invocation_metadata() if k not in self._DROP)
+        received = context.invocation_metadata() or ()
+        metadata = tuple((k, v) for k, v in received if k not in self._DROP)
+        client = client_address(received)
+        messages = requests.__aiter__()
+        try:
+            first = await asyncio.wait_for(messages.__anext__(), self.first_message_s)
+        except StopAsyncIteration:
+            return
+        except asyncio.TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"no request arrived within {self.first_message_s:g} s of the stream's start: "
+                                "an idle stream is closed (send the first request when it opens)")
         call = self.stream_call(timeout=context.time_remaining(), metadata=metadata)
         # Triton's responses and our refusals, in order; bounded, so a client that sends refused
         # messages without reading the answers is held back (it is no longer read) instead of queued.
         answers: asyncio.Queue = asyncio.Queue(maxsize=64)
         upstream_done = object()
+        held = [0]  # this stream's requests in Triton: places until their final responses
 
         async def forward():
+            request = first
             try:
-                async for request in requests:
+                while True:
                     try:
                         check_grpc_request(self.policy, request)
                     except ScreenError as error:
                         await answers.put(stream_error_response(str(error)))
-                        continue
-                    await call.write(request)
+                    else:
+                        await self.places.take(client)
+                        held[0] += 1
+                        await call.write(request)
+                    try:
+                        request = await messages.__anext__()
+                    except StopAsyncIteration:
+                        break
                 await call.done_writing()
             except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
                 pass  # the upstream call ended; its status is read below
@@ -286,6 +331,9 @@ class GrpcScreen:
         async def backward():
             try:
                 async for response in call:
+                    if held[0] and is_final_response(response):
+                        held[0] -= 1
+                        self.places.give_back(client)
                     await answers.put(response)
                 await answers.put(upstream_done)
             except asyncio.CancelledError:
@@ -305,6 +353,16 @@ class GrpcScreen:
             pump.cancel()
             drain.cancel()
             call.cancel()
+            await asyncio.gather(pump, drain, return_exceptions=True)
+            if held[0]:  # requests whose final response never came (cancelled, failed stream)
+                self.places.give_back(client, held[0])
+                held[0] = 0
+
+
+def client_address(metadata) -> str:
+    """The client's address as nginx passed it (``CLIENT_ADDRESS_HEADER``); "" when it came
+    another way (loopback tools, tests of the screen alone)."""
+    return next((v for k, v in metadata if k == CLIENT_ADDRESS_HEADER and isinstance(v, str)), "")
 
 
 def client_deadline(remaining_s: float | None, now_ns: int | None = None) -> tuple[tuple[str, str], ...]:
@@ -341,10 +399,14 @@ async def run(args: argparse.Namespace) -> None:
     import grpc
 
     policy = ScreenPolicy(max_body_bytes=args.max_body_bytes, public_models=load_public_models(args.public_models_file))
+    share = client_share(args.max_inflight, args.max_inflight_per_client)
+    places = Places(replica_part(args.max_inflight, args.replicas, args.replica_index),
+                    replica_part(share, args.replicas, args.replica_index))
     keys = keys_from_environment()  # $TRITON_API_KEYS_FILE: None serves the router open
     http = HttpScreen(policy, Upstream(args.triton_http), keys)
     http_server = await asyncio.start_server(http.serve, "127.0.0.1", args.http_port, limit=2**20, backlog=4096)
-    grpc_screen = GrpcScreen(policy, args.triton_grpc, keys)
+    grpc_screen = GrpcScreen(policy, args.triton_grpc, keys, places, grpc_overloaded_message(args.max_inflight, share),
+                             args.stream_first_message_s)
     grpc_server = grpc.aio.server(options=[
         # nginx bounds a message (client_max_body_size) with its own clear message; a limit here
         # would answer first, from the message's length prefix, in gRPC's words.
@@ -372,6 +434,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--triton-grpc", required=True)
     parser.add_argument("--max-body-bytes", type=int, required=True)
     parser.add_argument("--public-models-file", type=Path)
+    # The server's gRPC limits (every replica's screen together) and this screen's part of them.
+    parser.add_argument("--max-inflight", type=int, default=DEFAULT_MAX_INFLIGHT)
+    parser.add_argument("--max-inflight-per-client", type=int, default=None, help="default: half of --max-inflight")
+    parser.add_argument("--replicas", type=int, default=1)
+    parser.add_argument("--replica-index", type=int, default=0)
+    parser.add_argument("--stream-first-message-s", type=float, default=STREAM_FIRST_MESSAGE_S)
     asyncio.run(run(parser.parse_args(argv)))
     return 0
 

@@ -53,6 +53,7 @@ from triton_pipelines.repository.contract import BuiltManifest
 from triton_pipelines.server.frontend_process import FrontendProcess
 from triton_pipelines.server.processes import free_ports
 from triton_pipelines.front.nginx_config import ProxyConfig, default_worker_user
+from triton_pipelines.limits import client_share
 from triton_pipelines.server.nginx_process import ProxyProcess
 from triton_pipelines.server.replicas import Replica, ReplicaSet, TritonProcesses
 from triton_pipelines.server.serve_cli import parse_options
@@ -87,9 +88,7 @@ def public_models_file(options: ServerOptions, state_dir: Path) -> Path | None:
 
 
 def per_client_share(options: ServerOptions) -> int:
-    if options.max_inflight_per_client is None:
-        return max(1, options.max_inflight // 2)
-    return options.max_inflight_per_client
+    return client_share(options.max_inflight, options.max_inflight_per_client)
 
 
 class Launcher:

@@ -140,7 +140,12 @@ class TritonProcesses:
                    f"--http-port={replica.screen_ports[0]}", f"--grpc-port={replica.screen_ports[1]}",
                    f"--triton-http={LOOPBACK}:{replica.internal.http}",
                    f"--triton-grpc={LOOPBACK}:{replica.internal.grpc}",
-                   f"--max-body-bytes={self.options.max_body_bytes}"]
+                   f"--max-body-bytes={self.options.max_body_bytes}",
+                   # the gRPC port's places are counted in the screens: this replica's part of them
+                   f"--max-inflight={self.options.max_inflight}", f"--replicas={self.options.replicas}",
+                   f"--replica-index={replica.index}"]
+        if self.options.max_inflight_per_client is not None:
+            command.append(f"--max-inflight-per-client={self.options.max_inflight_per_client}")
         if self.public_models is not None:
             command.append(f"--public-models-file={self.public_models}")
         return spawn(command, stdout=self.stdout, stderr=self.stderr, start_new_session=True)

@@ -73,11 +73,15 @@ def test_generated_nginx_config_is_valid_and_listens_where_asked(tmp_path):
         assert f"listen {address}:18000 " in text and f"listen {address}:18001 http2 " in text
         assert "server 127.0.0.1:19000 max_fails=0;" in text and "server 127.0.0.1:19010 max_fails=0;" in text
         assert "client_max_body_size 131072;" in text
-        # the HTTP gate (inference and /v1), gRPC ModelInfer and ModelStreamInfer
-        assert text.count("limit_conn inflight 256;") == 3
-        # one client's share: both HTTP infer locations (JSON and binary), /v1, gRPC ModelInfer and
-        # ModelStreamInfer
+        # the HTTP gate (inference and /v1); gRPC requests are counted in the screens (front/places.py)
+        assert text.count("limit_conn inflight 256;") == 1
+        # one client's share: both HTTP infer locations (JSON and binary), /v1, and its gRPC ModelInfer
+        # and ModelStreamInfer streams
         assert text.count("limit_conn perclient 64;") == 5
+        # a stream waits for its answers with nothing flowing: only the upstream timeout cuts it
+        stream = text.split("location = /inference.GRPCInferenceService/ModelStreamInfer {")[1].split("}", 2)[1]
+        assert "client_body_timeout 300s;" in stream
+        assert "grpc_set_header x-triton-pipelines-client $remote_addr;" in text
         # inference goes through the request screens, round robin like the replicas
         assert "server 127.0.0.1:19004 max_fails=0;" in text and "server 127.0.0.1:19015 max_fails=0;" in text
         assert "proxy_pass http://screen_http;" in text and "grpc_pass grpc://screen_grpc;" in text
