@@ -35,6 +35,7 @@ import orjson
 
 from triton_pipelines.errors import openai_error_body
 from triton_pipelines.limits import MAX_TEXT_BYTES
+from triton_pipelines.openai_api.json_budget import MAX_JSON_STRUCTURE, json_structure
 
 # ----------------------------------------------------------------------------------- limits
 # Strings in one /v1/embeddings request (OpenAI's own limit). They go to Triton as requests of at most
@@ -51,11 +52,6 @@ MAX_FILENAME_CHARS = 1024
 # is larger (audio), and the app's (aiohttp's client_max_size) is the larger of these.
 MAX_JSON_BODY_BYTES = 16 * 1024 * 1024
 MAX_EMBEDDINGS_BODY_BYTES = 8 * 1024 * 1024
-# JSON structure in one body (``json_structure``: about the values json.loads would build). It
-# builds a Python object per value on the event loop: 16 MiB of `[[]],` (6.7 million lists) held
-# every /v1 endpoint 4.4 s (issue 33 §2). 2048 embedding inputs, or a chat of 256 messages with
-# tools, is a few thousand.
-MAX_JSON_STRUCTURE = 100_000
 # Bytes before a multipart body's first boundary (its preamble: no client sends one). aiohttp reads
 # it a line at a time: 60 MiB of line breaks held the event loop 100 s.
 MAX_MULTIPART_PREAMBLE_BYTES = 1024
@@ -144,22 +140,6 @@ def parse_json_body(raw: bytes, limit: int = MAX_JSON_BODY_BYTES) -> dict:
     if not isinstance(document, dict):
         raise invalid(f"the request body must be a JSON object, not {type(document).__name__}")
     return document
-
-
-def json_structure(raw: bytes) -> int:
-    """About the number of values ``json.loads(raw)`` builds (at most twice it), counted at C speed
-    before it runs: its commas, brackets and braces (every value of a container but the first follows
-    a comma). Where those are more than ``MAX_JSON_STRUCTURE`` they may be text (a string may hold
-    any number of commas): then the strings, and the commas, brackets and braces outside them."""
-    quick = raw.count(b",") + raw.count(b"[") + raw.count(b"{") + 1
-    if quick <= MAX_JSON_STRUCTURE:
-        return quick
-    text = raw.replace(b"\\\\", b"").replace(b'\\"', b"") if b"\\" in raw else raw  # escapes: not quotes
-    strings = text.count(b'"') // 2
-    if strings > MAX_JSON_STRUCTURE:
-        return strings
-    outside = b"".join(text.split(b'"')[0::2])
-    return strings + outside.count(b",") + outside.count(b"[") + outside.count(b"{") + 1
 
 
 # ----------------------------------------------------------------------------------- fields
