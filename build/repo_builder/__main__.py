@@ -62,7 +62,8 @@ def main(argv=None) -> None:
     try:
         build_repository(*parse_context(argv))
     except ConfigError as error:  # weights that cannot be had, a bad config: one line, no traceback
-        sys.exit(f"[repo_builder] error: {error}")
+        print(f"[repo_builder] error: {error}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

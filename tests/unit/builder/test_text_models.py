@@ -145,7 +145,8 @@ def test_a_second_build_sends_no_request(hub_env, tmp_path):
 def test_a_model_that_cannot_be_had_fails_the_build_in_one_line(hub_env, tmp_path, capsys):
     with pytest.raises(SystemExit) as caught:
         build(["--pipelines", "text", "--output", str(tmp_path / "repo"), "--text-model", "acme/no-such-model"])
-    message = str(caught.value.code)
+    message = capsys.readouterr().err.strip()
+    assert caught.value.code == 2
     assert message.startswith("[repo_builder] error: --text-model acme/no-such-model: no model acme/no-such-model")
     assert "\n" not in message and not (tmp_path / "repo" / ".built").exists()
 

@@ -165,6 +165,7 @@ def test_the_random_resnet50_parameter_count_is_counted():
 def test_a_model_that_cannot_be_had_fails_the_build_in_one_line(tmp_path, capsys):
     (tmp_path / "bert").mkdir()
     (tmp_path / "bert" / "config.json").write_text(json.dumps({"architectures": ["BertModel"], "model_type": "bert"}))
+    (tmp_path / "bert" / "model.safetensors").write_bytes((2).to_bytes(8, "little") + b"{}")  # weights of some kind: the architecture decides
     for spec, fragment in ((str(tmp_path / "bert"), "not a ResNetForImageClassification checkpoint"),
                            ("random:vgg16", "random weights exist for random:resnet50 only")):
         with pytest.raises(SystemExit) as exited:

@@ -90,29 +90,33 @@ def test_the_gpu_default_takes_the_hub_model_where_it_can_be_had(tiny_checkpoint
     assert source.provenance.files and source.provenance.files[0][0] == "model.safetensors"
 
 
-def test_a_model_asked_for_that_cannot_be_had_fails_in_one_line_without_fall_back(no_hub, tmp_path):
+def test_a_model_asked_for_that_cannot_be_had_fails_in_one_line_without_fall_back(no_hub, tmp_path, capsys):
     for spec in ("openai/whisper-no-such-model", str(tmp_path / "missing-folder")):
         with pytest.raises(WeightsError, match=f"^--whisper-model {spec}: "):
             choose_source("gpu", spec, attempt=lambda *a, **k: pytest.fail("an explicit model never falls back"))
         with pytest.raises(SystemExit) as exit_info:
             build(["--target", "gpu", "--pipelines", "speech", "--output", str(tmp_path / "out"),
                    "--whisper-model", spec])
-        message = str(exit_info.value.code)
+        message = capsys.readouterr().err.strip()
+        assert exit_info.value.code == 2
         assert message.startswith(f"[repo_builder] error: --whisper-model {spec}: ") and "\n" not in message
         assert not (tmp_path / "out" / ".built").exists()
 
 
 def test_a_checkpoint_the_runtime_cannot_serve_is_refused(tmp_path):
     (tmp_path / "en").mkdir()
+    (tmp_path / "en" / "model.safetensors").write_bytes((2).to_bytes(8, "little") + b"{}")  # a weight file: the config decides
     (tmp_path / "en" / "config.json").write_text(json.dumps({**TINY, "model_type": "whisper", "vocab_size": 51864}))
     with pytest.raises(WeightsError, match="English-only"):
         choose_source("embedded", str(tmp_path / "en"))
     (tmp_path / "short").mkdir()
+    (tmp_path / "short" / "model.safetensors").write_bytes((2).to_bytes(8, "little") + b"{}")  # a weight file: the config decides
     (tmp_path / "short" / "config.json").write_text(json.dumps({**TINY, "model_type": "whisper",
                                                                 "max_source_positions": 750}))
     with pytest.raises(WeightsError, match="1500/448"):
         choose_source("embedded", str(tmp_path / "short"))
     (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "model.safetensors").write_bytes((2).to_bytes(8, "little") + b"{}")  # a weight file: the config decides
     with pytest.raises(WeightsError, match="no config.json"):
         choose_source("embedded", str(tmp_path / "empty"))
 
