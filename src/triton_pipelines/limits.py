@@ -34,3 +34,13 @@ SELF_HOSTED_DEADLINE_S = 60.0
 MAX_TEXT_BYTES = 64 * 1024
 # Texts per batch: text_embedding's max_batch_size, /v1/embeddings' chunk, the router's rows.
 TEXT_MAX_BATCH = 64
+
+# -------------------------------------------------------------------------------- response cache
+# Triton's local response cache (--cache-config local,size=N) in host memory, shared by every cached
+# model of one tritonserver (each replica has its own): `serve --response-cache-bytes`, else
+# $TRITON_RESPONSE_CACHE_BYTES, else this; 0 turns it off. The memory planner adds it to the host plan.
+RESPONSE_CACHE_ENV = "TRITON_RESPONSE_CACHE_BYTES"
+DEFAULT_RESPONSE_CACHE_BYTES = 256 * 1024 * 1024
+# Smaller local caches may fail to initialise (Triton's docs: below ~1 KiB); below this one the
+# launcher refuses the size with a one-line error instead.
+MIN_RESPONSE_CACHE_BYTES = 1024 * 1024
