@@ -5,6 +5,8 @@ tests/unit/builder/test_response_cache.py."""
 
 from __future__ import annotations
 
+import json
+import urllib.request
 import uuid
 
 import numpy as np
@@ -111,5 +113,31 @@ def test_the_uncached_models_have_no_cache_and_no_cache_metrics(triton_server):
         cached = {labels.get("model") for name, labels, _ in samples
                   if name == "nv_cache_num_misses_per_model"}
         assert cached == {"text_embedding", "text_embedding_batch"}
+        # Triton 2.51 exports no request summary for a cached model; its steps keep theirs
+        summarized = {labels.get("model") for name, labels, _ in samples if name == "nv_inference_request_summary_us"}
+        assert "text_embedding" not in summarized and {"text_encoder", "text_embedding_v2"} <= summarized
     finally:
         internal.close()
+
+
+def test_v1_embeddings_are_served_from_the_same_cache(triton_server):
+    """/v1/embeddings calls text_embedding: its repeat is a hit, and its answer is the native one."""
+    text = unique("v1")
+    body = json.dumps({"model": "text_embedding", "input": text}).encode()
+
+    def post() -> list[float]:
+        request = urllib.request.Request(f"http://{triton_server.http_url}/v1/embeddings", data=body, method="POST",
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return json.loads(response.read())["data"][0]["embedding"]
+
+    hits, misses = cache_counts(triton_server, "text_embedding")
+    first = post()
+    assert cache_counts(triton_server, "text_embedding") == (hits, misses + 1)
+    assert post() == first
+    assert cache_counts(triton_server, "text_embedding") == (hits + 1, misses + 1)
+    native = TritonClient("grpc", triton_server.grpc_url)
+    try:
+        np.testing.assert_allclose(embed(native, "text_embedding", text)[0], first, atol=1e-6)
+    finally:
+        native.close()
