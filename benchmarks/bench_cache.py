@@ -8,6 +8,8 @@ text no server has seen (a numbered tag), so it is a miss wherever the cache is 
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from triton_pipelines import prometheus_text
@@ -33,14 +35,20 @@ def unique_texts(tag: str) -> list[str]:
     return [f"{text} (request {tag}-{i})" for i, text in enumerate(corpus(UNIQUE, seed=11))]
 
 
-def hits_and_misses(server) -> tuple[float, float]:
+CACHE_COUNTERS = ("nv_cache_num_hits_per_model", "nv_cache_num_misses_per_model",
+                  "nv_cache_hit_duration_per_model", "nv_cache_miss_duration_per_model")
+
+
+def hits_and_misses(server) -> tuple[float, ...]:
+    """Hits, misses, and their total time inside Triton (µs: a hit's lookup and copy, a miss's
+    lookup and insert)."""
     samples = prometheus_text.parse_samples(prometheus_text.scrape(server.metrics_url))
-    return (prometheus_text.total(samples, "nv_cache_num_hits_per_model", model=MODEL),
-            prometheus_text.total(samples, "nv_cache_num_misses_per_model", model=MODEL))
+    return tuple(prometheus_text.total(samples, name, model=MODEL) for name in CACHE_COUNTERS)
 
 
 def measure_one(target_server, label: str, traffic: str, batch: list, concurrency: int) -> tuple[LoadResult, str]:
-    """One closed-loop window; with the cache on, the hit ratio over it (from Triton's counters)."""
+    """One closed-loop window; with the cache on, the hit ratio over it and the cache's own time per
+    hit or miss (from Triton's counters, so the shared machine's noise does not blur it)."""
     settings = current()
     url = f"http://{target_server.http_url}/v2/models/{MODEL}/infer"
     before = hits_and_misses(target_server) if label == "on" else None
@@ -48,8 +56,9 @@ def measure_one(target_server, label: str, traffic: str, batch: list, concurrenc
                      seconds=settings.seconds, min_requests=settings.min_requests)
     if before is None:
         return result, "n/a"
-    hits, misses = (a - b for a, b in zip(hits_and_misses(target_server), before, strict=True))
-    return result, f"{hits / max(hits + misses, 1):.0%}"
+    hits, misses, hit_us, miss_us = (a - b for a, b in zip(hits_and_misses(target_server), before, strict=True))
+    own = hit_us / hits if hits >= misses else miss_us / max(misses, 1)
+    return result, f"{hits / max(hits + misses, 1):.0%}, {own:.0f} µs"
 
 
 def run(server) -> str:
@@ -81,10 +90,11 @@ def run(server) -> str:
         (f"`{MODEL}` over HTTP (binary tensors), one text a request, closed loop, on two servers of the same "
          f"three models: the cache on ({DEFAULT_RESPONSE_CACHE_BYTES >> 20} MiB, the launcher's default) and off. "
          f"Repeated: {REPEATED} distinct texts in turn (each a hit once sent); unique: texts never sent before "
-         "(misses), measured on, off, off, on. Hit ratio: nv_cache_num_hits/misses_per_model over the window."),
+         "(misses), measured on, off, off, on. Hit ratio and the cache's own time: Triton's nv_cache_* counters "
+         f"over the window. Load average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores."),
         "",
-        markdown_table(["traffic", "cache", "concurrency", "texts/s", "p50 ms", "p99 ms", "hit ratio", "errors"],
-                       rows),
+        markdown_table(["traffic", "cache", "concurrency", "texts/s", "p50 ms", "p99 ms",
+                        "hit ratio, the cache's time per hit (repeated) or miss (unique)", "errors"], rows),
         "",
         summary(rows, unique),
     ])

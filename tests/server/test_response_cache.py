@@ -17,6 +17,7 @@ from triton_pipelines import prometheus_text
 from triton_pipelines.pipelines.text import MAX_TEXT_BYTES
 
 from tests.support.paths import PROJECT_ROOT
+from tests.support.router_helpers import route
 
 SCENE = (PROJECT_ROOT / "tests" / "data" / "scene.jpg").read_bytes()
 
@@ -141,3 +142,15 @@ def test_v1_embeddings_are_served_from_the_same_cache(triton_server):
         np.testing.assert_allclose(embed(native, "text_embedding", text)[0], first, atol=1e-6)
     finally:
         native.close()
+
+
+def test_the_routers_self_hosted_task_hits_the_same_cache(http_client, triton_server):
+    """The router's text_embedding task calls text_embedding (version 1) or text_embedding_v2 (the
+    canary's share, uncached) by BLS: the version 1 calls after the first are hits, all one answer."""
+    text = unique("router")
+    hits, _ = cache_counts(triton_server, "text_embedding")
+    answers = [route(http_client, "text_embedding", {"text": text}) for _ in range(8)]
+    stable = [a["output"]["embedding"] for a in answers if int(a["model_version"]) == 1]
+    assert len(stable) >= 2, answers  # 90% of the split goes to version 1
+    assert cache_counts(triton_server, "text_embedding")[0] == hits + len(stable) - 1
+    assert all(embedding == stable[0] for embedding in stable)
