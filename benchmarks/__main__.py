@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 REPORT = ROOT / os.environ.get("BENCH_REPORT", "docs/benchmarks.md")
 # Module name under benchmarks/ → its section in the report, in report order.
 BENCHMARKS = ["bench_peers", "bench_sweep", "bench_text", "bench_vision", "bench_speech", "bench_router",
-              "bench_proxy", "bench_openai"]
+              "bench_proxy", "bench_openai", "bench_cache"]
 QUICK = ["bench_peers", "bench_sweep"]
 
 HEADER = """# Benchmarks
@@ -81,8 +81,11 @@ def main(argv: list[str]) -> int:
         print(f"unknown benchmarks {unknown}; known: {BENCHMARKS}", file=sys.stderr)
         return 2
     repository = Path(os.environ.get("BENCH_MODEL_REPOSITORY", ROOT / "model_repository"))
-    # Sweeps and perf_analyzer runs measure single models (text_encoder, resnet50, ...) too.
-    server = start_on_free_ports(repository, ROOT / ".bench" / "server.log", expose_internal_models=True)
+    # Sweeps and perf_analyzer runs measure single models (text_encoder, resnet50, ...) too. The
+    # response cache is off: the benchmarks' corpora repeat and they measure the computation
+    # (bench_cache measures the cache on a server of its own).
+    server = start_on_free_ports(repository, ROOT / ".bench" / "server.log", expose_internal_models=True,
+                                 response_cache_bytes=0)
     sections = {}
     try:
         for name in names:

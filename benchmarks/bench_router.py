@@ -72,7 +72,7 @@ def gateway_concurrency(repository: Path) -> str:
     saved = {k: os.environ.get(k) for k in ("LLM_GATEWAY_BASE_URL", "LLM_GATEWAY_API_KEY")}
     os.environ.update(LLM_GATEWAY_BASE_URL=fake.base_url, LLM_GATEWAY_API_KEY="sk-bench")
     try:
-        server = start_on_free_ports(scratch, BENCH_DIR / "router-gateway-server.log")
+        server = start_on_free_ports(scratch, BENCH_DIR / "router-gateway-server.log", response_cache_bytes=0)
     finally:
         for name, value in saved.items():
             os.environ.pop(name, None) if value is None else os.environ.__setitem__(name, value)

@@ -199,7 +199,9 @@ def main(argv=None) -> int:
     repository = Path(os.environ.get("BENCH_MODEL_REPOSITORY", ROOT / "model_repository"))
     threads_table = start_times(repository, (1, 4))
     # First-request latency of every model, compute models included: they are not public by default.
-    server = start_on_free_ports(repository, ROOT / ".bench" / "lifecycle-server.log", expose_internal_models=True)
+    # (the response cache off: a later round's first request must not be an earlier round's hit)
+    server = start_on_free_ports(repository, ROOT / ".bench" / "lifecycle-server.log", expose_internal_models=True,
+                                 response_cache_bytes=0)
     try:
         report = run(server, args.rounds, threads_table)
     finally:

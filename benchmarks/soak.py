@@ -366,7 +366,7 @@ def main(argv=None) -> int:
     fake.default = Reply(delay_s=0.05)
     os.environ.update(LLM_GATEWAY_BASE_URL=fake.base_url, LLM_GATEWAY_API_KEY="sk-soak-" + os.urandom(8).hex())
     repository = Path(os.environ.get("SOAK_MODEL_REPOSITORY", ROOT / "model_repository"))
-    server = start_on_free_ports(repository, ROOT / ".cache" / "soak-server.log")
+    server = start_on_free_ports(repository, ROOT / ".cache" / "soak-server.log", response_cache_bytes=0)
     try:
         soak = Soak(server, args.seconds)
         soak.run(fake)

@@ -22,6 +22,7 @@ Ensemble variants
     ``<ensemble>_<suffix>`` (steps point at the ``_<suffix>`` compute models and nested variants)
     and ``<ensemble>[_<suffix>]_v<N>`` (the canary model's step pinned to version N). The ensemble
     itself pins the canary model to version 1, so existing ensembles keep serving what they served.
+    The latency-class variants keep the source's ``response_cache``; the ``_v<N>`` ones have none.
 """
 
 from __future__ import annotations
@@ -181,6 +182,10 @@ class EnsembleVariants:
         config = mc.ModelConfig()
         config.CopyFrom(self.configs[name])
         config.name = self.variant_name(name, suffix, version)
+        if version is not None:
+            # A canary's requests must reach its version: the rollout's gate judges what that
+            # version served (requests, p99), and cached answers would never reach it.
+            config.ClearField("response_cache")
         for step in config.ensemble_scheduling.step:
             if step.model_name in self.variants:
                 model = self.compute.get(step.model_name)

@@ -167,6 +167,22 @@ def model_rows(layout: Layout) -> None:
     ], "reqps", "REJECTED: queue policy / timeout; CANCELED; BACKEND: the backend's execute failed; OTHER: the rest "
                 "(ensembles). A Python model's error response counts as a success.")
 
+    layout.row("Response cache")
+    layout.timeseries("Response cache hit ratio by model", [
+        ("model_version:nv_cache_hit:ratio_rate5m", "{{model}} v{{version}}"),
+    ], "percentunit", "Hits / lookups of Triton's response cache (the models built with response_cache: the "
+                      "text_embedding ensembles), all pods. Sized by --response-cache-bytes / "
+                      "TRITON_RESPONSE_CACHE_BYTES (docs/operations.md).")
+    layout.timeseries("Response cache hits and misses", [
+        ("model_version:nv_cache_hits:rate5m", "{{model}} v{{version}} hits/s"),
+        ("model_version:nv_cache_misses:rate5m", "{{model}} v{{version}} misses/s"),
+    ], "reqps")
+    layout.timeseries("Response cache time per hit and per miss (mean)", [
+        ("model_version:nv_cache_hit_seconds:mean5m", "{{model}} v{{version}} hit"),
+        ("model_version:nv_cache_miss_seconds:mean5m", "{{model}} v{{version}} miss (lookup + insert)"),
+    ], "s", "A cached model exports no request-latency summary (Triton 2.51): its mean request time is in the "
+            "pipeline row, the cache's own share here.")
+
     layout.row("Memory")
     layout.timeseries("GPU memory used", [
         ("instance_gpu:nv_gpu_memory_used:ratio", "{{instance}} {{gpu_uuid}}"),

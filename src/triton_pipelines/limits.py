@@ -61,3 +61,14 @@ def replica_part(total: int, replicas: int, index: int) -> int:
     if total == 0:
         return 0
     return max(1, total // replicas + (1 if index < total % replicas else 0))
+
+
+# -------------------------------------------------------------------------------- response cache
+# Triton's local response cache (--cache-config local,size=N) in host memory, shared by every cached
+# model of one tritonserver (each replica has its own): `serve --response-cache-bytes`, else
+# $TRITON_RESPONSE_CACHE_BYTES, else this; 0 turns it off. The memory planner adds it to the host plan.
+RESPONSE_CACHE_ENV = "TRITON_RESPONSE_CACHE_BYTES"
+DEFAULT_RESPONSE_CACHE_BYTES = 256 * 1024 * 1024
+# Smaller local caches may fail to initialise (Triton's docs: below ~1 KiB); below this one the
+# launcher refuses the size with a one-line error instead.
+MIN_RESPONSE_CACHE_BYTES = 1024 * 1024

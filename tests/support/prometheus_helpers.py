@@ -35,6 +35,10 @@ TRITON_EXPORTED = {  # tritonserver 2.51 with --metrics-config=summary_latencies
     "nv_inference_compute_output_summary_us": "summary",
     "nv_pinned_memory_pool_total_bytes": "gauge", "nv_pinned_memory_pool_used_bytes": "gauge",
     "nv_cpu_utilization": "gauge", "nv_cpu_memory_total_bytes": "gauge", "nv_cpu_memory_used_bytes": "gauge",
+    # the response cache's, for the models built with it (the launcher turns the cache on by default)
+    "nv_cache_num_hits_per_model": "counter", "nv_cache_num_misses_per_model": "counter",
+    "nv_cache_hit_duration_per_model": "counter", "nv_cache_miss_duration_per_model": "counter",
+    "nv_cache_hit_summary_per_model": "summary", "nv_cache_miss_summary_per_model": "summary",
 }
 # DCGM metrics, only where Triton sees a GPU (Triton's metrics docs; core r24.10 src/metrics.cc).
 TRITON_GPU = {

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
+from triton_pipelines.limits import DEFAULT_RESPONSE_CACHE_BYTES, RESPONSE_CACHE_ENV
 from triton_pipelines.repository.contract import BuiltManifest, ShmCheck
 
 from .estimates import Repository
@@ -42,6 +44,18 @@ def parse_sequence(values: list[str]) -> dict[str, dict[str, int]]:
     return overrides
 
 
+def response_cache_bytes(flag: int | None) -> int:
+    """The flag, else what ``serve`` would take: ``$TRITON_RESPONSE_CACHE_BYTES``, else the default."""
+    if flag is not None:
+        return max(flag, 0)
+    text = os.environ.get(RESPONSE_CACHE_ENV, "")
+    if not text.strip().isdigit():
+        if text:
+            raise SystemExit(f"${RESPONSE_CACHE_ENV}={text!r} must be a whole number of bytes")
+        return DEFAULT_RESPONSE_CACHE_BYTES
+    return int(text)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m repo_builder plan", description=__doc__.split("\n\n")[0])
     parser.add_argument("--repository", type=Path, default=Path("model_repository"))
@@ -54,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
                                                                  "MemTotal)")
     parser.add_argument("--sequence-length", action="append", default=[], metavar="MODEL[.INPUT]=N",
                         help="bound of a model's variable dims where its description declares none")
+    parser.add_argument("--response-cache-bytes", type=int,
+                        help="the server's response cache, host memory (default: what `serve` uses, "
+                             f"${RESPONSE_CACHE_ENV} or {DEFAULT_RESPONSE_CACHE_BYTES >> 20} MiB)")
     parser.add_argument("--check", action="store_true", help="print the verdict only; exit 1 when it does not fit "
                                                              "(make serve runs this)")
     parser.add_argument("--json", action="store_true", help="the per-instance estimates as JSON")
@@ -70,11 +87,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps([{**i.__dict__} for i in instances], indent=2))
         return 0
+    cache = response_cache_bytes(args.response_cache_bytes)
     memory = args.gpu_memory or (GPUS[args.gpu] * GiB if args.gpu else None)
     if memory:
-        report, fits = gpu_report(repository, instances, memory, args.gpus)
+        report, fits = gpu_report(repository, instances, memory, args.gpus, cache)
     else:
-        report, fits = host_report(repository, instances, args.host_memory or host_memory())
+        report, fits = host_report(repository, instances, args.host_memory or host_memory(), cache)
     if args.check:
         report = "\n".join(line for line in report.splitlines() if line.startswith(("FITS", "DOES NOT FIT", "note:", "  ")))
         report += "\n" + ShmCheck.measure(sum(repository.shm_needs().values())).note()

@@ -3,12 +3,15 @@ host plan of the embedded target."""
 
 from __future__ import annotations
 
+from triton_pipelines.limits import RESPONSE_CACHE_ENV
+
 from .estimates import Instance, Repository
 from .placement import instance_groups, place, reduced_counts, smallest_fleet
 from .sizes import SERVER_PROCESS_BYTES, gib
 
 
-def gpu_report(repository: Repository, instances: list[Instance], memory: int, gpus: int) -> tuple[str, bool]:
+def gpu_report(repository: Repository, instances: list[Instance], memory: int, gpus: int,
+               response_cache: int = 0) -> tuple[str, bool]:
     plan = place(instances, memory, gpus)
     limits = plan.limits()
     lines = [f"GPU plan for {repository.path} ({repository.target} target build; its compute models on GPU): "
@@ -26,6 +29,7 @@ def gpu_report(repository: Repository, instances: list[Instance], memory: int, g
                      f"runtime {gib(used['runtime'])} GiB")
     notes = sorted({f"{i.model}: {note}" for i in instances for note in i.notes})
     lines += [f"note: {note}" for note in notes]
+    lines.append(f"note: {response_cache_line(response_cache)}, not GPU memory")
     if plan.fits:
         lines.append(f"FITS on {gpus} GPU(s).")
         if gpus > 1:
@@ -51,17 +55,27 @@ def gpu_report(repository: Repository, instances: list[Instance], memory: int, g
     return "\n".join(lines), plan.fits
 
 
-def host_report(repository: Repository, instances: list[Instance], memory: int) -> tuple[str, bool]:
+def response_cache_line(response_cache: int) -> str:
+    """The response cache's host memory (``serve --response-cache-bytes``), one tritonserver's."""
+    if not response_cache:
+        return "response cache: off"
+    return (f"response cache: {gib(response_cache)} GiB of host memory per tritonserver (--response-cache-bytes / "
+            f"${RESPONSE_CACHE_ENV}; 0: off)")
+
+
+def host_report(repository: Repository, instances: list[Instance], memory: int,
+                response_cache: int = 0) -> tuple[str, bool]:
     stubs = sum(i.host * i.count for i in instances)
     shm = sum(i.shm * i.count for i in instances)
-    total = stubs + SERVER_PROCESS_BYTES
+    total = stubs + SERVER_PROCESS_BYTES + response_cache
     lines = [f"Host plan for {repository.path} on the embedded target (every model a Python-backend stub on the "
              f"CPU): {gib(memory)} GiB available", "",
              "| model | version | instances | at | stub RSS GiB | of it /dev/shm GiB |", "|---|---|---|---|---|---|"]
     for i in instances:
         lines.append(f"| {i.model} | {i.version} | {i.count} | {i.shape or 'idle'} | {gib(i.host)} | {gib(i.shm)} |")
     lines.append(f"\nstubs {gib(stubs)} GiB (shared memory regions {gib(shm)} GiB of it) + tritonserver "
-                 f"{gib(SERVER_PROCESS_BYTES)} GiB = {gib(total)} GiB")
+                 f"{gib(SERVER_PROCESS_BYTES)} GiB + response cache {gib(response_cache)} GiB = {gib(total)} GiB")
+    lines.append(f"note: {response_cache_line(response_cache)}")
     lines += [f"note: {note}" for note in sorted({f'{i.model}: {n}' for i in instances for n in i.notes})]
     fits = total <= memory
     lines.append(("FITS" if fits else "DOES NOT FIT") + f": {gib(total)} of {gib(memory)} GiB"

@@ -35,6 +35,16 @@ def write_split(split_file: Path, model: str, shares: Mapping[int, float]) -> No
     os.replace(tmp, split_file)
 
 
+def without_response_cache(config: dict) -> dict:
+    """``config`` with Triton's response cache off. Its key is the model's name and version and the
+    inputs only (not what the model's steps or files are), and Triton never evicts an entry for a
+    reload, so an ensemble whose answers a rollout changes (a re-pin, new files) would keep serving
+    the old ones from the cache: it serves uncached until the server restarts with its built config."""
+    if config.get("response_cache", {}).get("enable"):
+        config["response_cache"] = {"enable": False}
+    return config
+
+
 @dataclass
 class VersionSwap:
     """What a rollout changes on the server for a model's family (the actions ``Rollout.run`` takes)."""
@@ -96,7 +106,7 @@ class VersionSwap:
             for step in steps:
                 if step["model_name"] == member:
                     step["model_version"] = version
-            self.control.load(ensemble, config=config)
+            self.control.load(ensemble, config=without_response_cache(config))
             self.log(f"{ensemble} now serves {member} version {version}")
 
     def warm(self, version: int) -> None:
@@ -124,6 +134,9 @@ class VersionSwap:
         if version not in loaded_versions():
             raise RolloutError(f"{self.model} version {version} is not loaded: put its files in place and use `start`")
         self._check_onnx(new_files)
+        # before the files change: no answer of the old files is served from the cache after it
+        self.uncache({e for e, v in pinned_versions().items() if v == version}
+                     | set(self.family.versioned_ensembles.get(version, ())))
         staging = Path(tempfile.mkdtemp(prefix=".incoming-", dir=version_dir))
         try:
             for path in new_files:
@@ -143,6 +156,18 @@ class VersionSwap:
         pinned = {e for e, v in pinned_versions().items() if v == version}
         self.load_ensembles(self.family.versioned_ensembles.get(version, ()))
         warm_server(self.control, sorted(pinned | set(self.family.versioned_ensembles.get(version, ()))))
+
+    def uncache(self, ensembles: Iterable[str]) -> None:
+        """Reload the loaded ones of ``ensembles`` whose response cache is on with it off
+        (``without_response_cache``): what they answered before new files is in the cache."""
+        states = self.control.states()
+        for name in sorted(ensembles):
+            if states.get(name) != "READY":
+                continue
+            config = self.control.config(name)
+            if config.get("response_cache", {}).get("enable"):
+                self.control.load(name, config=without_response_cache(config))
+                self.log(f"{name}: response cache off until the server restarts (its answers changed)")
 
     def _check_onnx(self, files: list[Path]) -> None:
         """A new ``model.onnx`` must take and give the tensors the served config names."""

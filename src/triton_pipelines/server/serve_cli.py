@@ -12,7 +12,8 @@ import os
 from pathlib import Path
 
 from triton_pipelines.errors import ConfigError
-from triton_pipelines.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_JSON_BYTES
+from triton_pipelines.limits import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_JSON_BYTES,
+                                     DEFAULT_RESPONSE_CACHE_BYTES, MIN_RESPONSE_CACHE_BYTES, RESPONSE_CACHE_ENV)
 from triton_pipelines.repository.backends import models_to_load
 from triton_pipelines.repository.routes import RouteTable
 from triton_pipelines.server.state import STATE_ENV, resolve_state_dir
@@ -88,6 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
                              "(default $TRITON_REPLICAS or 1)")
     parser.add_argument("--load-model", action="append", dest="models", metavar="NAME",
                         help="load only these models at start (repeatable); default: every model")
+    parser.add_argument("--response-cache-bytes", type=int,
+                        default=_env_int(RESPONSE_CACHE_ENV, DEFAULT_RESPONSE_CACHE_BYTES),
+                        help="host memory of Triton's response cache per replica, for the models built with "
+                             f"response_cache enabled (default ${RESPONSE_CACHE_ENV} or "
+                             f"{DEFAULT_RESPONSE_CACHE_BYTES >> 20} MiB; 0: off)")
     parser.add_argument("--no-pipeline-warmup", action="store_true",
                         help="do not send one request through every ensemble before announcing ready")
     parser.add_argument("extra_args", nargs="*", help="passed to tritonserver after `--`")
@@ -107,6 +113,9 @@ def parse_options(argv: list[str] | None = None) -> ServerOptions:
         parser.error("--max-inflight must be at least 1")
     if args.max_inflight_per_client is not None and args.max_inflight_per_client < 0:
         parser.error("--max-inflight-per-client must be 0 (no share) or more")
+    if args.response_cache_bytes and not MIN_RESPONSE_CACHE_BYTES <= args.response_cache_bytes:
+        parser.error(f"--response-cache-bytes must be 0 (off) or at least {MIN_RESPONSE_CACHE_BYTES} "
+                     f"({MIN_RESPONSE_CACHE_BYTES >> 20} MiB)")
     http_port = _port(args.http_port, "TRITON_HTTP_PORT", DEFAULT_HTTP_PORT)
     options = ServerOptions(
         model_repository=args.model_repository,
@@ -128,6 +137,7 @@ def parse_options(argv: list[str] | None = None) -> ServerOptions:
         replicas=args.replicas,
         warm_pipelines=not args.no_pipeline_warmup,
         extra_args=args.extra_args,
+        response_cache_bytes=args.response_cache_bytes,
     )
     check_repository(options.model_repository, options.models)
     if options.models is None and options.backend_dir is not None:

@@ -11,7 +11,7 @@ import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from triton_pipelines.limits import CLIENT_DEADLINE_PARAMETER, LOOPBACK
+from triton_pipelines.limits import CLIENT_DEADLINE_PARAMETER, DEFAULT_RESPONSE_CACHE_BYTES, LOOPBACK
 from triton_pipelines.gateway.keys import KEY_ID_PARAMETER
 from triton_pipelines.server.control import restricted_api_flags
 from triton_pipelines.repository.contract import PYTHON_BACKEND_SHM_CONFIG
@@ -97,6 +97,8 @@ class ServerOptions:
     extra_args: list[str] = field(default_factory=list)
     # The gateway's spend ledger (SPEND_DATABASE_URL wins; the launcher sets sqlite in the state folder).
     spend_database_url: str | None = None
+    # Triton's local response cache, bytes of host memory per tritonserver; 0: off (response_cache_flags).
+    response_cache_bytes: int = DEFAULT_RESPONSE_CACHE_BYTES
 
 
 @dataclass(frozen=True)
@@ -131,7 +133,21 @@ def server_command(options: ServerOptions, internal: InternalPorts, key: str, sh
     backend_config = (*PYTHON_BACKEND_CONFIG, f"shm-region-prefix-name={shm_prefix}")
     command += [f"--backend-config=python,{setting}" for setting in backend_config]
     command += [f"--metrics-config={setting}" for setting in METRICS_CONFIG]
+    command += response_cache_flags(options)
     return command + list(options.extra_args)
+
+
+def response_cache_flags(options: ServerOptions) -> list[str]:
+    """Triton's ``local`` cache of ``options.response_cache_bytes`` (none at 0). Only models whose
+    config says ``response_cache { enable: true }`` use it (the builder's choice: docs/operations.md).
+    The embedded binary's cache library is in the wheel (``tritonserver/caches/local``), not in
+    tritonserver's default ``/opt/tritonserver/caches``, where the container's is."""
+    if not options.response_cache_bytes:
+        return []
+    flags = [f"--cache-config=local,size={options.response_cache_bytes}"]
+    if options.tritonserver is None:
+        flags.append(f"--cache-directory={pytriton_dir() / 'caches'}")
+    return flags
 
 
 def server_environment() -> dict[str, str]:

@@ -77,3 +77,46 @@ def test_a_rollout_refuses_a_launcher_with_several_replicas(tmp_path):
     server["replicas"] = server["replicas"][:1]
     (tmp_path / "server.json").write_text(json.dumps(server))
     assert connect(tmp_path)[1] == "http://127.0.0.1:2/metrics"
+
+
+class RecordingControl:
+    """The three calls of the control API the re-pin and ``uncache`` make, on configs in memory."""
+
+    def __init__(self, configs: dict[str, dict]):
+        self.configs = configs
+        self.loads: list[tuple[str, dict]] = []
+
+    def states(self):
+        return {name: "READY" for name in self.configs}
+
+    def config(self, name):
+        return json.loads(json.dumps(self.configs[name]))
+
+    def load(self, name, config=None):
+        self.loads.append((name, config))
+        self.configs[name] = config
+
+
+def test_a_re_pin_or_new_files_turn_the_response_cache_off_where_answers_change(tmp_path):
+    """Triton's cache key is the model's name, version and inputs: after a re-pin or new files the
+    cached ensemble would answer with the old version's embeddings, so it is reloaded uncached."""
+    from triton_pipelines.ops.rollout_replace import VersionSwap, without_response_cache
+
+    assert without_response_cache({"name": "a"}) == {"name": "a"}
+    assert without_response_cache({"response_cache": {"enable": True}}) == {"response_cache": {"enable": False}}
+    family = Family.from_repository(ensure_repository(), "text_encoder")
+    step = {"model_name": "text_encoder", "model_version": 1}
+    control = RecordingControl({
+        "text_embedding": {"response_cache": {"enable": True}, "ensemble_scheduling": {"step": [dict(step)]}},
+        "text_embedding_batch": {"ensemble_scheduling": {"step": [dict(step, model_name="text_encoder_batch")]}},
+        "text_embedding_v2": {"response_cache": {"enable": True}}})
+    swap = VersionSwap(control, tmp_path, "text_encoder", family, log=lambda message: None, members=lambda: [])
+    swap.pin(2)
+    assert [name for name, _ in control.loads] == ["text_embedding", "text_embedding_batch"]
+    assert control.configs["text_embedding"]["response_cache"] == {"enable": False}
+    assert control.configs["text_embedding"]["ensemble_scheduling"]["step"][0]["model_version"] == 2
+    assert "response_cache" not in control.configs["text_embedding_batch"]
+    control.loads.clear()
+    swap.uncache(["text_embedding", "text_embedding_batch", "text_embedding_v2", "not_loaded"])
+    assert [name for name, _ in control.loads] == ["text_embedding_v2"]  # the others are uncached already
+    assert control.configs["text_embedding_v2"]["response_cache"] == {"enable": False}

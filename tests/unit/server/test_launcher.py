@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from triton_pipelines.errors import ConfigError
 from triton_pipelines.server import launcher, serve_cli
 from triton_pipelines.server.launcher import InternalPorts, ServerOptions, server_command
 
@@ -123,3 +124,38 @@ def test_the_start_up_log_prints_the_model_table(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("WARNING: bert_base_encoder serves RANDOM WEIGHTS")
     launcher.log_model_table(tmp_path / "unbuilt", lines.append)
     assert len(lines) == 1
+
+
+def test_the_response_cache_is_on_by_default_sized_by_flag_or_environment_and_off_at_zero(monkeypatch, capsys):
+    from triton_pipelines.limits import DEFAULT_RESPONSE_CACHE_BYTES, RESPONSE_CACHE_ENV
+    from triton_pipelines.server.tritonserver import pytriton_dir
+
+    def flags(**options):
+        command = server_command(ServerOptions(model_repository=Path("repo"), backend_dir=Path("b"), **options),
+                                 InternalPorts(11, 12, 13), key="k" * 20, shm_prefix="p_")
+        return [arg for arg in command if arg.startswith("--cache-")]
+
+    # the embedded binary finds the wheel's local cache; the container's its own /opt/tritonserver/caches
+    assert flags() == [f"--cache-config=local,size={DEFAULT_RESPONSE_CACHE_BYTES}",
+                       f"--cache-directory={pytriton_dir() / 'caches'}"]
+    assert (pytriton_dir() / "caches" / "local" / "libtritoncache_local.so").is_file()
+    assert flags(tritonserver=Path("/opt/tritonserver/bin/tritonserver"), response_cache_bytes=1 << 20) == [
+        "--cache-config=local,size=1048576"]
+    assert flags(response_cache_bytes=0) == []
+
+    repository = str(ensure_repository())
+    monkeypatch.setenv(RESPONSE_CACHE_ENV, "0")
+    assert serve_cli.parse_options(["--model-repository", repository]).response_cache_bytes == 0
+    monkeypatch.setenv(RESPONSE_CACHE_ENV, str(64 << 20))
+    assert serve_cli.parse_options(["--model-repository", repository]).response_cache_bytes == 64 << 20
+    assert serve_cli.parse_options(["--model-repository", repository,
+                                    "--response-cache-bytes", str(8 << 20)]).response_cache_bytes == 8 << 20
+    monkeypatch.delenv(RESPONSE_CACHE_ENV)
+    assert serve_cli.parse_options(["--model-repository", repository]).response_cache_bytes == DEFAULT_RESPONSE_CACHE_BYTES
+    for bad in ("-1", "100"):
+        with pytest.raises(SystemExit):
+            serve_cli.parse_options(["--model-repository", repository, "--response-cache-bytes", bad])
+        assert "--response-cache-bytes must be 0 (off) or at least 1048576" in capsys.readouterr().err
+    monkeypatch.setenv(RESPONSE_CACHE_ENV, "lots")
+    with pytest.raises(ConfigError, match=f"\\${RESPONSE_CACHE_ENV}='lots' must be a whole number"):
+        serve_cli.parse_options(["--model-repository", repository])
