@@ -96,7 +96,8 @@ RUN apt-get update \\
  && rm -rf /var/lib/apt/lists/*
 COPY python3.10 {python_prefix}
 COPY pytriton /opt/pytriton
-# Python 3.10 as python3/pip (NGC has no `python`); the prefix readable by the server's user.
+# Python 3.10 as python3/pip (NGC has no `python`); the prefix readable by the server's user. The
+# response cache's library where NGC has it (/opt/tritonserver/caches/local: tritonserver's default).
 # The stub's libpython3.10 and libcudart on the loader's path, as NGC has them (/usr/lib, CUDA): the
 # Python backend runs the stub without arguments at every load and, unless it exits 1 (its usage
 # error), tries to chmod it, which fails for the non-root server user.
@@ -108,7 +109,9 @@ RUN chmod 755 /root "$(dirname {python_prefix})" \\
  && cp -r /opt/pytriton/pytriton/tritonserver/backends/python /opt/tritonserver/backends/python \\
  && cp /opt/pytriton/pytriton/tritonserver/python_backend_stubs/3.10/triton_python_backend_stub \\
        /opt/tritonserver/backends/python/triton_python_backend_stub \\
+ && cp -r /opt/pytriton/pytriton/tritonserver/caches /opt/tritonserver/caches \\
  && test -x /opt/tritonserver/bin/tritonserver \\
+ && test -f /opt/tritonserver/caches/local/libtritoncache_local.so \\
  && test -x /opt/tritonserver/backends/python/triton_python_backend_stub \\
  && printf '%s\\n' {python_prefix}/lib /opt/pytriton/nvidia_pytriton.libs > /etc/ld.so.conf.d/tritonserver.conf \\
  && ldconfig \\
