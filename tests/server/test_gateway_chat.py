@@ -30,7 +30,9 @@ openai = pytest.importorskip("openai")
 SECRETS = {name: f"sk-{name}-{os.urandom(12).hex()}"
            for name in ("router-first", "chat-first", "rpm", "narrow", "open")}
 GATEWAY_KEY = "gw-" + os.urandom(12).hex()
-GATEWAY = {"timeout_s": 3.0, "max_retries": 0, "backoff_s": 0.05, "circuit_failure_threshold": 50,
+# One attempt may take 6 s: on a loaded 2-core machine the first router call fell back to the next
+# model 2 runs in 3 (the tests below expect the first model); a 3 s attempt limit is the likely cause.
+GATEWAY = {"timeout_s": 6.0, "max_retries": 0, "backoff_s": 0.05, "circuit_failure_threshold": 50,
            "deadline_s": 8.0, "reservation_margin_s": 2.0}
 HI = [{"role": "user", "content": "hi"}]
 CALL_NUSD = nano_usd("0.0001545")  # claude-sonnet-4.5 at the fake's usage (11 in, 7 out)
