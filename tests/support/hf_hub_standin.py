@@ -19,6 +19,7 @@ under a file's announced hash, as a damaged mirror or a truncated blob would.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import re
@@ -203,3 +204,19 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         if body:
             self.wfile.write(data)
+
+
+# What a test's process must not inherit: a real cache location, offline mode, a token.
+HUB_VARIABLES = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HUB_CACHE", "HF_TOKEN")
+
+
+@contextlib.contextmanager
+def hub_environment(monkeypatch, hf_home: Path):
+    """A ``HubStandIn`` that huggingface_hub reaches (``HF_ENDPOINT``), with an own cache at ``hf_home``."""
+    with HubStandIn() as standin:
+        monkeypatch.setenv("HF_ENDPOINT", standin.url)
+        monkeypatch.setenv("HF_HOME", str(hf_home))
+        for name in HUB_VARIABLES:
+            monkeypatch.delenv(name, raising=False)
+        yield standin
+

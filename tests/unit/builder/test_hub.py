@@ -11,7 +11,7 @@ import pytest
 
 from repo_builder.hub import WeightsError, parse_hub_id, resolve_model, resolve_optional
 
-from tests.support.hf_hub_standin import HubStandIn
+from tests.support.hf_hub_standin import hub_environment
 
 FILES = ("*.json", "*.safetensors", "README.md")
 REPO = "acme/tiny-encoder"
@@ -28,11 +28,7 @@ def tiny_files(seed: int) -> dict[str, bytes]:
 
 @pytest.fixture
 def hub(tmp_path, monkeypatch):
-    with HubStandIn() as standin:
-        monkeypatch.setenv("HF_ENDPOINT", standin.url)
-        monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-        for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HUB_CACHE", "HF_TOKEN"):
-            monkeypatch.delenv(name, raising=False)
+    with hub_environment(monkeypatch, tmp_path / "hf") as standin:
         yield standin
 
 

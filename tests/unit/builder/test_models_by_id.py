@@ -12,18 +12,14 @@ import pytest
 from repo_builder.speech_pipeline import GPU_HUB_DEFAULT, choose_source
 from repo_builder.vision_models import image_model
 
-from tests.support.hf_hub_standin import HubStandIn
+from tests.support.hf_hub_standin import hub_environment
 from tests.unit.builder.test_vision_models import tiny_resnet
 from tests.unit.builder.test_whisper_model_choice import TINY
 
 
 @pytest.fixture
 def hub(tmp_path, monkeypatch):
-    with HubStandIn() as standin:
-        monkeypatch.setenv("HF_ENDPOINT", standin.url)
-        monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-        for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HUB_CACHE", "HF_TOKEN"):
-            monkeypatch.delenv(name, raising=False)
+    with hub_environment(monkeypatch, tmp_path / "hf") as standin:
         yield standin
 
 
