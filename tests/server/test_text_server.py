@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -59,7 +60,8 @@ def test_concurrent_requests_of_different_lengths_share_batches(http_client, tri
     """Requests of different lengths are batched by the dynamic batcher (ragged batching on the
     embedded target, one length bucket on the gpu target): the encoder runs fewer executions than
     it serves inferences, and every answer still matches the reference, which runs each text alone."""
-    texts = [f"question number {i} about my order" if i % 2 else f"hello {i}" for i in range(48)]
+    nonce = os.urandom(4).hex()  # texts no earlier test sent: a repeat is answered by the response cache
+    texts = [f"question number {i} about my order {nonce}" if i % 2 else f"hello {i} {nonce}" for i in range(48)]
     before = http_client.statistics("text_encoder")["model_stats"][0]
     clients = [TritonClient("grpc", triton_server.grpc_url) for _ in range(16)]
     with ThreadPoolExecutor(16) as pool:
