@@ -4,6 +4,7 @@ stops) fails no request; the metrics carry a ``replica`` label."""
 
 from __future__ import annotations
 
+import os
 import json
 import threading
 import time
@@ -43,9 +44,12 @@ def test_two_replicas_share_the_traffic_of_both_protocols_and_one_retires_withou
 
     def load(protocol):
         client = TritonClient(protocol, server.url(protocol))
+        nonce = os.urandom(4).hex()
+        sent = 0
         while not stop.is_set():
+            sent += 1  # texts never sent before: computed, not answered by the response cache
             try:
-                out = client.infer("text_embedding", {"text": text_tensor(["a parcel that never came"])})
+                out = client.infer("text_embedding", {"text": text_tensor([f"a parcel that never came {nonce} {sent}"])})
                 answered.append((protocol, out["embedding"].shape))
             except InferenceServerException as error:
                 failures.append(f"{protocol}: {error}")
