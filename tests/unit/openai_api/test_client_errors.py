@@ -17,8 +17,8 @@ from triton_pipelines.gateway.keys import KeyRing
 from triton_pipelines.openai_api import protocol as proto
 from triton_pipelines.openai_api.multipart import parse_disposition
 
-CATALOG = proto.ModelCatalog.build(["text_embedding", "speech_recognition"], ["gpt-4.1"])
-KEY = "sk-unit-team-a-0123456789"
+from tests.support.loopback_frontend import CATALOG, KEY, with_frontend
+
 CHAT = {"model": "gpt-4.1", "messages": [{"role": "user", "content": "hi"}]}
 HUGE = int("9" * 400)  # more digits than a float holds (float(HUGE) is OverflowError)
 
@@ -126,24 +126,7 @@ def test_a_malformed_content_disposition_says_what_is_wrong(header, says):
 def exchange(raw_requests: list[bytes]) -> list[tuple[int, dict]]:
     """Each raw HTTP/1.1 request on its own connection to a loopback Frontend (keys on, no Triton)
     → (status, JSON body)."""
-    from aiohttp import web
-
-    from triton_pipelines.openai_api.app import Frontend
-
-    keys = KeyRing.from_document({"keys": [{"key": KEY, "name": "team-a"}]})
-
-    async def run():
-        runner = web.AppRunner(Frontend(None, CATALOG, keys, lambda texts: 0).app(), access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
-        try:
-            return [await asyncio.get_running_loop().run_in_executor(None, send, port, raw) for raw in raw_requests]
-        finally:
-            await runner.cleanup()
-
-    return asyncio.run(run())
+    return with_frontend(lambda port: [send(port, raw) for raw in raw_requests])
 
 
 def send(port: int, raw: bytes) -> tuple[int, dict]:

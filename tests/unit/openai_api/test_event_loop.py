@@ -7,7 +7,6 @@ bodies are in flight."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import socket
 import threading
@@ -15,11 +14,10 @@ import time
 
 import pytest
 
-from triton_pipelines.gateway.keys import KeyRing
 from triton_pipelines.openai_api import protocol as proto
 
-CATALOG = proto.ModelCatalog.build(["text_embedding", "speech_recognition"], ["gpt-4.1"])
-KEY = "sk-unit-team-a-0123456789"
+from tests.support.loopback_frontend import KEY, with_frontend
+
 MIB = 1 << 20
 # Valid JSON within the chat body limit whose parse costs seconds (6.7 million lists).
 LISTS = b'{"model": "gpt-4.1", "messages": [' + b"[[]]," * ((16 * MIB - 64) // 5) + b'[]]}'
@@ -57,25 +55,8 @@ def test_a_body_of_too_many_values_is_400_before_it_is_parsed(body):
 def serve(requests_and_checks) -> dict:
     """A loopback Frontend (keys on, no Triton); ``requests_and_checks`` run in threads against its
     port; returns what they stored."""
-    from aiohttp import web
-
-    from triton_pipelines.openai_api.app import Frontend
-
-    keys = KeyRing.from_document({"keys": [{"key": KEY, "name": "team-a"}]})
     results: dict = {}
-
-    async def run():
-        runner = web.AppRunner(Frontend(None, CATALOG, keys, lambda texts: 0).app(), access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
-        try:
-            await asyncio.get_running_loop().run_in_executor(None, requests_and_checks, port, results)
-        finally:
-            await runner.cleanup()
-
-    asyncio.run(run())
+    with_frontend(lambda port: requests_and_checks(port, results))
     return results
 
 
