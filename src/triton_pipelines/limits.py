@@ -19,6 +19,13 @@ DEFAULT_MAX_BODY_BYTES = MAX_AUDIO_BYTES
 # the back-pressure of the whole server. The models have no queue policy (a Triton 2.51 policy
 # stalls its batcher, build/repo_builder/compute.py), so this bounds every queue behind the front.
 DEFAULT_MAX_INFLIGHT = 256
+# Request bytes in flight beside that count (`serve --max-inflight-bytes`): the native ports' screens
+# together, and the /v1 frontend on its own, each hold at most this much of requests' bodies between
+# their arrival and their answer (a request's bytes cost ~5x across the screen, tritonserver, a stub
+# and /dev/shm: one 60 MiB request grew the server by 293 MB). One client's share is half
+# (CLIENT_SHARE_DIVISOR). A part never drops below the largest legal body (DEFAULT_MAX_BODY_BYTES or
+# --max-body-bytes), so any legal request fits once the others are done.
+DEFAULT_MAX_INFLIGHT_BYTES = 512 * 1024 * 1024
 
 # ------------------------------------------------------------------------------------- deadlines
 # The slowest legal request (300 s of audio at saturation): nginx's upstream timeout, the screen's,

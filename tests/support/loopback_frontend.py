@@ -1,5 +1,6 @@
 """A loopback /v1 Frontend (keys on, no Triton) for unit tests: ``with_frontend(work)`` runs
-``work(port)`` in a thread against it and returns what ``work`` returns."""
+``work(port)`` in a thread against it and returns what ``work`` returns (``request_bytes``: its
+byte budget, a ``front.places.Places``)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ CATALOG = proto.ModelCatalog.build(["text_embedding", "speech_recognition"], ["g
 KEY = "sk-unit-team-a-0123456789"
 
 
-def with_frontend(work):
+def with_frontend(work, request_bytes=None):
     from aiohttp import web
 
     from triton_pipelines.openai_api.app import Frontend
@@ -20,7 +21,7 @@ def with_frontend(work):
     keys = KeyRing.from_document({"keys": [{"key": KEY, "name": "team-a"}]})
 
     async def run():
-        runner = web.AppRunner(Frontend(None, CATALOG, keys, lambda texts: 0).app(), access_log=None)
+        runner = web.AppRunner(Frontend(None, CATALOG, keys, lambda texts: 0, request_bytes=request_bytes).app(), access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()

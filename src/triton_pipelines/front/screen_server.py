@@ -27,16 +27,17 @@ import re
 import signal
 import sys
 import time
+from collections import deque
 from pathlib import Path
 from urllib.parse import unquote
 
-from triton_pipelines.limits import (CLIENT_DEADLINE_PARAMETER, DEFAULT_MAX_INFLIGHT, REQUEST_TIMEOUT_S,
-                                    STREAM_FIRST_MESSAGE_S, client_share, replica_part)
+from triton_pipelines.limits import (CLIENT_DEADLINE_PARAMETER, DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_INFLIGHT_BYTES,
+                                    REQUEST_TIMEOUT_S, STREAM_FIRST_MESSAGE_S, client_share, replica_part)
 from triton_pipelines.gateway.keys import KEY_ID_PARAMETER, KeyRing, bearer_secret, keys_from_environment
 from triton_pipelines.errors import REFUSAL_STATUSES, parse_refusal
 from triton_pipelines.http1 import Upstream, header, read_body, read_head
 from triton_pipelines.front.nginx_config import CLIENT_ADDRESS_HEADER, grpc_overloaded_message
-from triton_pipelines.front.places import Places
+from triton_pipelines.front.places import Places, byte_budget, bytes_overloaded_message
 from triton_pipelines.front.screen import (ScreenError, ScreenPolicy, check_grpc_request, check_http_request,
                                            is_final_response, restarting_model_message)
 
@@ -45,6 +46,7 @@ GRPC_INFER_METHOD = "/inference.GRPCInferenceService/ModelInfer"
 # stream is screened like a ModelInfer request before it is forwarded.
 GRPC_STREAM_METHOD = "/inference.GRPCInferenceService/ModelStreamInfer"
 _INFER_PATH = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]*))?/infer$")
+_CLIENT_ADDRESS = CLIENT_ADDRESS_HEADER.encode()
 _HOP_HEADERS = {b"connection", b"keep-alive", b"transfer-encoding", b"te", b"upgrade", b"proxy-connection"}
 # The only request headers Triton's inference endpoint reads; no other client header reaches it.
 _FORWARDED_HEADERS = {b"host", b"content-type", b"inference-header-content-length", b"accept-encoding"}
@@ -99,13 +101,26 @@ def refused_answer(status: int, body: bytes) -> bytes | None:
                          [(b"Retry-After", str(retry_after).encode())] if retry_after is not None else [])
 
 
+async def discard(reader: asyncio.StreamReader, length: int, chunk: int = 2**20) -> None:
+    """Reads ``length`` bytes of a body and keeps none of them (a refused request's)."""
+    while length > 0:
+        length -= len(await reader.readexactly(min(chunk, length)))
+
+
 TRITON_GONE = http_response(503, error_body("the inference server is starting or restarting: retry shortly"),
                             [(b"Retry-After", b"1")])
 
 
 class HttpScreen:
-    def __init__(self, policy: ScreenPolicy, upstream: Upstream, keys: KeyRing | None = None):
+    """``request_bytes``: the request bytes in flight (shared with the gRPC screen of the same
+    process); a request whose body does not fit is answered 503 before its body is kept."""
+
+    def __init__(self, policy: ScreenPolicy, upstream: Upstream, keys: KeyRing | None = None,
+                 request_bytes: Places | None = None):
         self.policy, self.upstream, self.keys = policy, upstream, keys
+        self.request_bytes = request_bytes or byte_budget(DEFAULT_MAX_INFLIGHT_BYTES, None, policy.max_body_bytes)
+        self.bytes_overloaded = http_response(503, error_body(bytes_overloaded_message(self.request_bytes)),
+                                              [(b"Retry-After", b"1")])
 
     def check(self, target: bytes, headers, body: bytes) -> str:
         """Refuses (ScreenError) or returns the model's name."""
@@ -130,25 +145,38 @@ class HttpScreen:
                 if header(headers, b"transfer-encoding") is not None:
                     writer.write(http_response(411, error_body("send a Content-Length")))
                     break
-                body = await reader.readexactly(int(header(headers, b"content-length") or 0))
-                try:
-                    model = self.check(request_line.split(b" ")[1], headers, body)
-                    extra = []
-                    if model == KEYED_MODEL:
-                        authorization = header(headers, b"authorization")
-                        key_id = key_id_for(self.keys, authorization.decode("latin-1") if authorization else None)
-                        if key_id:
-                            extra.append((KEY_ID_PARAMETER.encode(), key_id.encode()))
-                except ScreenError as error:
-                    writer.write(http_response(error.status, error_body(str(error))))
+                length = int(header(headers, b"content-length") or 0)
+                client = (header(headers, _CLIENT_ADDRESS) or b"").decode("latin-1")
+                if not self.request_bytes.try_take(client, length):
+                    await discard(reader, length)
+                    writer.write(self.bytes_overloaded)
                     await writer.drain()
                     continue
-                writer.write(await self.forward(request_line, headers, body, extra))
+                try:
+                    answer = await self.screened(reader, request_line, headers, length)
+                finally:
+                    self.request_bytes.give_back(client, length)
+                writer.write(answer)
                 await writer.drain()
         except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError, IndexError):
             pass
         finally:
             writer.close()
+
+    async def screened(self, reader: asyncio.StreamReader, request_line: bytes, headers, length: int) -> bytes:
+        """One request whose bytes are counted: its body read, checked, forwarded; the answer."""
+        body = await reader.readexactly(length)
+        try:
+            model = self.check(request_line.split(b" ")[1], headers, body)
+            extra = []
+            if model == KEYED_MODEL:
+                authorization = header(headers, b"authorization")
+                key_id = key_id_for(self.keys, authorization.decode("latin-1") if authorization else None)
+                if key_id:
+                    extra.append((KEY_ID_PARAMETER.encode(), key_id.encode()))
+        except ScreenError as error:
+            return http_response(error.status, error_body(str(error)))
+        return await self.forward(request_line, headers, body, extra)
 
     async def forward(self, request_line: bytes, headers, body: bytes, extra=()) -> bytes:
         head = [request_line] + [name + b": " + value for name, value in headers if name in _FORWARDED_HEADERS]
@@ -208,13 +236,16 @@ class GrpcScreen:
              KEY_ID_PARAMETER, CLIENT_DEADLINE_PARAMETER, CLIENT_ADDRESS_HEADER}
 
     def __init__(self, policy: ScreenPolicy, triton_grpc: str, keys: KeyRing | None = None,
-                 places: Places | None = None, overloaded: str = "", first_message_s: float = STREAM_FIRST_MESSAGE_S):
+                 places: Places | None = None, overloaded: str = "", first_message_s: float = STREAM_FIRST_MESSAGE_S,
+                 request_bytes: Places | None = None):
         import grpc
 
         self.grpc = grpc
         self.policy = policy
         self.keys = keys
         self.places = places or Places(DEFAULT_MAX_INFLIGHT)
+        self.request_bytes = request_bytes or byte_budget(DEFAULT_MAX_INFLIGHT_BYTES, None, policy.max_body_bytes)
+        self.bytes_overloaded = bytes_overloaded_message(self.request_bytes)
         self.overloaded = overloaded or grpc_overloaded_message(self.places.capacity, self.places.per_client)
         self.first_message_s = first_message_s
         self.channel = grpc.aio.insecure_channel(triton_grpc, options=[
@@ -254,12 +285,16 @@ class GrpcScreen:
         client = client_address(received)
         if not self.places.try_take(client):
             await context.abort(grpc.StatusCode.UNAVAILABLE, self.overloaded, (("retry-after", "1"),))
+        if not self.request_bytes.try_take(client, len(request)):
+            self.places.give_back(client)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self.bytes_overloaded, (("retry-after", "1"),))
         try:
             return await self.call(request, timeout=remaining, metadata=metadata)
         except grpc.aio.AioRpcError as error:
             await self._abort_with(context, error)
         finally:
             self.places.give_back(client)
+            self.request_bytes.give_back(client, len(request))
 
     async def _abort_with(self, context, error) -> None:
         """Triton's failure of a ModelInfer call, as the caller should see it."""
@@ -306,7 +341,8 @@ class GrpcScreen:
         # messages without reading the answers is held back (it is no longer read) instead of queued.
         answers: asyncio.Queue = asyncio.Queue(maxsize=64)
         upstream_done = object()
-        held = [0]  # this stream's requests in Triton: places until their final responses
+        held: deque[int] = deque()  # this stream's requests in Triton, by size: a place and their bytes
+        # until their final responses (given back oldest first: a stream's requests end about in order)
 
         async def forward():
             request = first
@@ -317,9 +353,9 @@ class GrpcScreen:
                     except ScreenError as error:
                         await answers.put(stream_error_response(str(error)))
                     else:
-                        await self.places.take(client)
-                        held[0] += 1
-                        await call.write(request)
+                        if await self.take(client, len(request), answers):
+                            held.append(len(request))
+                            await call.write(request)
                     try:
                         request = await messages.__anext__()
                     except StopAsyncIteration:
@@ -331,9 +367,8 @@ class GrpcScreen:
         async def backward():
             try:
                 async for response in call:
-                    if held[0] and is_final_response(response):
-                        held[0] -= 1
-                        self.places.give_back(client)
+                    if held and is_final_response(response):
+                        self.give_back(client, held.popleft())
                     await answers.put(response)
                 await answers.put(upstream_done)
             except asyncio.CancelledError:
@@ -354,9 +389,27 @@ class GrpcScreen:
             drain.cancel()
             call.cancel()
             await asyncio.gather(pump, drain, return_exceptions=True)
-            if held[0]:  # requests whose final response never came (cancelled, failed stream)
-                self.places.give_back(client, held[0])
-                held[0] = 0
+            while held:  # requests whose final response never came (cancelled, failed stream)
+                self.give_back(client, held.popleft())
+
+    async def take(self, client: str, size: int, answers: asyncio.Queue) -> bool:
+        """A place and ``size`` bytes for a stream's request, waiting until they are free; False (and
+        the refusal answered on the stream) for a request that could never fit."""
+        if not self.request_bytes.fits(size):
+            await answers.put(stream_error_response(self.bytes_overloaded))
+            return False
+        await self.places.take(client)
+        try:
+            await self.request_bytes.take(client, size)
+        except BaseException:
+            self.places.give_back(client)
+            raise
+        return True
+
+    def give_back(self, client: str, size: int) -> None:
+        """A stream's request is done: its place and its bytes."""
+        self.places.give_back(client)
+        self.request_bytes.give_back(client, size)
 
 
 def client_address(metadata) -> str:
@@ -403,10 +456,12 @@ async def run(args: argparse.Namespace) -> None:
     places = Places(replica_part(args.max_inflight, args.replicas, args.replica_index),
                     replica_part(share, args.replicas, args.replica_index))
     keys = keys_from_environment()  # $TRITON_API_KEYS_FILE: None serves the router open
-    http = HttpScreen(policy, Upstream(args.triton_http), keys)
+    request_bytes = byte_budget(args.max_inflight_bytes, args.max_inflight_bytes_per_client, args.max_body_bytes,
+                                args.replicas, args.replica_index)
+    http = HttpScreen(policy, Upstream(args.triton_http), keys, request_bytes)
     http_server = await asyncio.start_server(http.serve, "127.0.0.1", args.http_port, limit=2**20, backlog=4096)
     grpc_screen = GrpcScreen(policy, args.triton_grpc, keys, places, grpc_overloaded_message(args.max_inflight, share),
-                             args.stream_first_message_s)
+                             args.stream_first_message_s, request_bytes)
     grpc_server = grpc.aio.server(options=[
         # nginx bounds a message (client_max_body_size) with its own clear message; a limit here
         # would answer first, from the message's length prefix, in gRPC's words.
@@ -440,6 +495,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replicas", type=int, default=1)
     parser.add_argument("--replica-index", type=int, default=0)
     parser.add_argument("--stream-first-message-s", type=float, default=STREAM_FIRST_MESSAGE_S)
+    # The server's request bytes in flight (every replica's screen together) and one client's share.
+    parser.add_argument("--max-inflight-bytes", type=int, default=DEFAULT_MAX_INFLIGHT_BYTES)
+    parser.add_argument("--max-inflight-bytes-per-client", type=int, default=None,
+                        help="default: half of --max-inflight-bytes")
     asyncio.run(run(parser.parse_args(argv)))
     return 0
 

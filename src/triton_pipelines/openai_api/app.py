@@ -9,7 +9,10 @@ import asyncio
 import sys
 import time
 
+from triton_pipelines.front.nginx_config import CLIENT_ADDRESS_HEADER
+from triton_pipelines.front.places import Places, byte_budget, bytes_overloaded_message
 from triton_pipelines.gateway.keys import KeyRing, bearer_secret
+from triton_pipelines.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_INFLIGHT_BYTES
 from triton_pipelines.openai_api import protocol as proto
 from triton_pipelines.openai_api.audio import ServingAudio
 from triton_pipelines.openai_api.chat import ServingChat
@@ -27,8 +30,11 @@ HEALTH_PATH = "/v1/health"
 class Frontend:
     def __init__(self, triton: Triton, catalog: proto.ModelCatalog, keys: KeyRing | None, token_counter,
                  gateway=None, language_codes=(), triton_timeout_s: float = TRITON_TIMEOUT_S,
-                 triton_http: TritonHttp | None = None):
+                 triton_http: TritonHttp | None = None, request_bytes: Places | None = None):
         self.catalog, self.keys = catalog, keys
+        # The request bytes in flight through /v1 (by each body's Content-Length, before it is read;
+        # nginx sends one with every body it forwards) and one client's share (nginx's address header).
+        self.request_bytes = request_bytes or byte_budget(DEFAULT_MAX_INFLIGHT_BYTES, None, DEFAULT_MAX_BODY_BYTES)
         known = {row["id"] for row in catalog.entries()}
         self.metrics = Metrics(known)
         self.draining = False
@@ -64,8 +70,13 @@ class Frontend:
                 endpoint = "/v1/models" if endpoint.startswith("/v1/models") else "other"
             request["model"] = None
             status = 500
+            size, client = request.content_length or 0, request.headers.get(CLIENT_ADDRESS_HEADER, "")
+            held = 0
             try:
                 request["api_key"] = self.api_key(request.headers.get("Authorization"))
+                if not self.request_bytes.try_take(client, size):
+                    raise proto.unavailable(bytes_overloaded_message(self.request_bytes))
+                held = size
                 response = await handler(request)
                 status = response.status
                 return response
@@ -93,6 +104,8 @@ class Frontend:
                 print(f"[openai] {endpoint}: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
                 return error_reply(proto.internal(f"internal error ({type(error).__name__})"))
             finally:
+                if held:
+                    self.request_bytes.give_back(client, held)
                 self.metrics.observe(endpoint, request.get("model"), status, time.perf_counter() - started)
         return handle
 

@@ -34,11 +34,13 @@ import sys
 import time
 from pathlib import Path
 
+from triton_pipelines.front.places import byte_budget
 from triton_pipelines.gateway.keys import keys_from_environment
 from triton_pipelines.openai_api import protocol as proto
 from triton_pipelines.openai_api.app import Frontend
 from triton_pipelines.openai_api.triton_grpc import Triton
 from triton_pipelines.openai_api.triton_http import TritonHttp
+from triton_pipelines.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_INFLIGHT_BYTES
 from triton_pipelines.repository.contract import BuiltManifest
 
 
@@ -95,7 +97,9 @@ async def serve(args: argparse.Namespace) -> None:
     triton = Triton(args.triton_grpc)
     triton_http = TritonHttp(args.triton_http, triton.grpcclient) if args.triton_http else None
     frontend = Frontend(triton, catalog, keys, token_counter(args.model_repository), gateway, LANGUAGE_CODES,
-                        triton_http=triton_http)
+                        triton_http=triton_http,
+                        request_bytes=byte_budget(args.max_inflight_bytes, args.max_inflight_bytes_per_client,
+                                                  DEFAULT_MAX_BODY_BYTES))
     if gateway is not None:
         gateway.recorder = frontend.metrics  # spend, budgets, fallbacks, cooldowns, refusals of /v1 chat
         gateway.publish_budgets()
@@ -134,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="host:port of a replica's loopback HTTP port (optional): /v1/embeddings then calls "
                              "Triton over HTTP (less CPU and latency per call than gRPC); audio stays on gRPC")
     parser.add_argument("--model-repository", type=Path, default=Path("model_repository"))
+    # /v1's request bytes in flight and one client's share (serve --max-inflight-bytes)
+    parser.add_argument("--max-inflight-bytes", type=int, default=DEFAULT_MAX_INFLIGHT_BYTES)
+    parser.add_argument("--max-inflight-bytes-per-client", type=int, default=None)
     args = parser.parse_args(argv)
     if args.triton_http and len(args.triton_http) != len(args.triton_grpc):
         parser.error("--triton-http: one per replica, in the order of --triton-grpc")

@@ -28,7 +28,7 @@ from triton_pipelines.gateway.ledger_db import DATABASE_ENV
 class FrontendProcess:
     def __init__(self, model_repository: Path, triton_grpc: list[str], log: Callable[[str], None],
                  stdout=None, stderr=None, port: int | None = None, spend_database_url: str | None = None,
-                 triton_http: list[str] | None = None):
+                 triton_http: list[str] | None = None, limit_flags: list[str] | None = None):
         self.model_repository = model_repository
         self.triton_grpc = list(triton_grpc)
         # Each replica's loopback HTTP port, in the order of triton_grpc (optional): /v1/embeddings then
@@ -36,6 +36,7 @@ class FrontendProcess:
         self.triton_http = list(triton_http or [])
         if self.triton_http and len(self.triton_http) != len(self.triton_grpc):
             raise ValueError("triton_http needs one address per replica, like triton_grpc")
+        self.limit_flags = list(limit_flags or [])  # e.g. the request bytes in flight
         self.log = log
         self.stdout, self.stderr = stdout, stderr
         self.port = port or free_ports(1)[0]
@@ -61,7 +62,7 @@ class FrontendProcess:
         return [sys.executable, "-m", "triton_pipelines", "frontend", f"--port={self.port}",
                 f"--model-repository={self.model_repository.resolve()}",
                 *[f"--triton-grpc={address}" for address in self.triton_grpc],
-                *[f"--triton-http={address}" for address in self.triton_http]]
+                *[f"--triton-http={address}" for address in self.triton_http], *self.limit_flags]
 
     def start(self) -> None:
         self.started_at = time.monotonic()

@@ -55,7 +55,8 @@ from triton_pipelines.server.processes import free_ports, remove_leftovers, spaw
 from triton_pipelines.gateway.ledger_db import DATABASE_ENV
 from triton_pipelines.server.status import LauncherMetrics
 from triton_pipelines.server.stub_watchdog import StubWatchdog
-from triton_pipelines.server.tritonserver import LOOPBACK, InternalPorts, ServerOptions, ready_timeout_s, server_command, server_environment
+from triton_pipelines.server.tritonserver import (LOOPBACK, InternalPorts, ServerOptions, ready_timeout_s,
+                                                 request_bytes_flags, server_command, server_environment)
 
 # How long a tritonserver must have run for its exit not to count as a quick crash (backoff).
 QUICK_CRASH_S = 60.0
@@ -146,6 +147,7 @@ class TritonProcesses:
                    f"--replica-index={replica.index}"]
         if self.options.max_inflight_per_client is not None:
             command.append(f"--max-inflight-per-client={self.options.max_inflight_per_client}")
+        command += request_bytes_flags(self.options)
         if self.public_models is not None:
             command.append(f"--public-models-file={self.public_models}")
         return spawn(command, stdout=self.stdout, stderr=self.stderr, start_new_session=True)

@@ -12,8 +12,8 @@ import os
 from pathlib import Path
 
 from triton_pipelines.errors import ConfigError
-from triton_pipelines.limits import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_JSON_BYTES,
-                                     DEFAULT_RESPONSE_CACHE_BYTES, MIN_RESPONSE_CACHE_BYTES, RESPONSE_CACHE_ENV)
+from triton_pipelines.limits import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_INFLIGHT_BYTES,
+                                     DEFAULT_MAX_JSON_BYTES, DEFAULT_RESPONSE_CACHE_BYTES, MIN_RESPONSE_CACHE_BYTES, RESPONSE_CACHE_ENV)
 from triton_pipelines.repository.backends import models_to_load
 from triton_pipelines.repository.routes import RouteTable
 from triton_pipelines.server.state import STATE_ENV, resolve_state_dir
@@ -75,6 +75,17 @@ def build_parser() -> argparse.ArgumentParser:
                         help="one client address's share of --max-inflight; more from it are refused first "
                              "(default $TRITON_MAX_INFLIGHT_PER_CLIENT or half of --max-inflight; 0: no share). "
                              "Behind a load balancer or NAT every client has its address: raise it or use 0")
+    parser.add_argument("--max-inflight-bytes", type=int,
+                        default=_env_int("TRITON_MAX_INFLIGHT_BYTES", DEFAULT_MAX_INFLIGHT_BYTES),
+                        help="request bytes in flight beside the count: the native ports together, and /v1 on its "
+                             "own; a request that does not fit is refused with 503 / UNAVAILABLE (default "
+                             f"$TRITON_MAX_INFLIGHT_BYTES or {DEFAULT_MAX_INFLIGHT_BYTES >> 20} MiB; at least "
+                             "--max-body-bytes)")
+    parser.add_argument("--max-inflight-bytes-per-client", type=int,
+                        default=_env_int("TRITON_MAX_INFLIGHT_BYTES_PER_CLIENT", None),
+                        help="one client address's share of --max-inflight-bytes (default "
+                             "$TRITON_MAX_INFLIGHT_BYTES_PER_CLIENT or half of it; 0: no share; else at least "
+                             "--max-body-bytes)")
     parser.add_argument("--expose-internal-models", action="store_true",
                         help="serve inference for every model on the public ports, not only the pipelines and "
                              "the router (e.g. to measure one compute model with perf_analyzer)")
@@ -113,6 +124,11 @@ def parse_options(argv: list[str] | None = None) -> ServerOptions:
         parser.error("--max-inflight must be at least 1")
     if args.max_inflight_per_client is not None and args.max_inflight_per_client < 0:
         parser.error("--max-inflight-per-client must be 0 (no share) or more")
+    for flag, value in (("--max-inflight-bytes", args.max_inflight_bytes),
+                        ("--max-inflight-bytes-per-client", args.max_inflight_bytes_per_client)):
+        if value is not None and value < args.max_body_bytes and not (value == 0 and flag.endswith("client")):
+            parser.error(f"{flag} ({value}) must be at least --max-body-bytes ({args.max_body_bytes}): "
+                         "the largest legal request must fit" + (" (0: no share)" if flag.endswith("client") else ""))
     if args.response_cache_bytes and not MIN_RESPONSE_CACHE_BYTES <= args.response_cache_bytes:
         parser.error(f"--response-cache-bytes must be 0 (off) or at least {MIN_RESPONSE_CACHE_BYTES} "
                      f"({MIN_RESPONSE_CACHE_BYTES >> 20} MiB)")
@@ -128,6 +144,8 @@ def parse_options(argv: list[str] | None = None) -> ServerOptions:
         max_json_bytes=args.max_json_bytes,
         max_inflight=args.max_inflight,
         max_inflight_per_client=args.max_inflight_per_client,
+        max_inflight_bytes=args.max_inflight_bytes,
+        max_inflight_bytes_per_client=args.max_inflight_bytes_per_client,
         expose_internal_models=args.expose_internal_models,
         backend_dir=args.backend_dir,
         tritonserver=args.tritonserver,

@@ -11,7 +11,8 @@ import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from triton_pipelines.limits import CLIENT_DEADLINE_PARAMETER, DEFAULT_RESPONSE_CACHE_BYTES, LOOPBACK
+from triton_pipelines.limits import (CLIENT_DEADLINE_PARAMETER, DEFAULT_MAX_INFLIGHT_BYTES, DEFAULT_RESPONSE_CACHE_BYTES,
+                                    LOOPBACK)
 from triton_pipelines.gateway.keys import KEY_ID_PARAMETER
 from triton_pipelines.server.control import restricted_api_flags
 from triton_pipelines.repository.contract import PYTHON_BACKEND_SHM_CONFIG
@@ -86,6 +87,10 @@ class ServerOptions:
     max_inflight: int = DEFAULT_MAX_INFLIGHT
     # None: half of max_inflight; 0: no per-client share (see proxy.ProxyConfig).
     max_inflight_per_client: int | None = None
+    # Request bytes in flight (limits.DEFAULT_MAX_INFLIGHT_BYTES): the native ports' screens together,
+    # and the /v1 frontend on its own; None: half of it per client; 0: no per-client share.
+    max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES
+    max_inflight_bytes_per_client: int | None = None
     # Inference on the public ports for the pipelines and the router only (the builder's
     # public_models in .built); True: every model, internal steps included (benchmarks of one model).
     expose_internal_models: bool = False
@@ -99,6 +104,14 @@ class ServerOptions:
     spend_database_url: str | None = None
     # Triton's local response cache, bytes of host memory per tritonserver; 0: off (response_cache_flags).
     response_cache_bytes: int = DEFAULT_RESPONSE_CACHE_BYTES
+
+
+def request_bytes_flags(options: ServerOptions) -> list[str]:
+    """The request bytes in flight, as the screens' and the /v1 frontend's flags."""
+    flags = [f"--max-inflight-bytes={options.max_inflight_bytes}"]
+    if options.max_inflight_bytes_per_client is not None:
+        flags.append(f"--max-inflight-bytes-per-client={options.max_inflight_bytes_per_client}")
+    return flags
 
 
 @dataclass(frozen=True)

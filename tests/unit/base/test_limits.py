@@ -84,3 +84,11 @@ def test_nginx_restates_the_facts():
     assert f"proxy_read_timeout {int(limits.REQUEST_TIMEOUT_S)}s;" in text
     assert f"client_max_body_size {limits.DEFAULT_MAX_BODY_BYTES};" in text
     assert f"client_max_body_size {limits.DEFAULT_MAX_JSON_BYTES};" in text
+
+
+def test_the_kubernetes_deployment_restates_the_request_bytes_in_flight():
+    deployment = next(d for d in yaml.safe_load_all((PROJECT_ROOT / "deploy/k8s/deployment.yaml").read_text())
+                      if d and d.get("kind") == "Deployment")
+    env = {e["name"]: e.get("value") for c in deployment["spec"]["template"]["spec"]["containers"]
+           for e in c.get("env", [])}
+    assert int(env["TRITON_MAX_INFLIGHT_BYTES"]) == limits.DEFAULT_MAX_INFLIGHT_BYTES

@@ -132,3 +132,30 @@ def test_the_final_response_mark(final, expected):
 def test_an_error_response_and_an_unreadable_one_end_their_request():
     assert is_final_response(service_pb2.ModelStreamInferResponse(error_message="failed").SerializeToString())
     assert is_final_response(b"\x12\xff\xff")  # truncated: never keeps a place
+
+
+def test_amounts_count_bytes_within_the_capacity_and_each_clients_share():
+    budget = Places(100, per_client=60)
+    assert budget.try_take("a", 50)
+    assert not budget.try_take("a", 20)  # over a's share of 60
+    assert budget.try_take("b", 50)
+    assert not budget.try_take("c", 1)  # over the capacity
+    assert budget.fits(60) and not budget.fits(61) and not Places(100).fits(101)
+    budget.give_back("a", 50)
+    assert budget.taken == 50 and budget.by_client == {"b": 50}
+
+
+def test_a_waiting_amount_is_granted_when_enough_is_given_back_and_never_if_it_cannot_fit():
+    async def scenario():
+        budget = Places(100, per_client=100)
+        assert budget.try_take("a", 80)
+        large = asyncio.ensure_future(budget.take("b", 50))
+        small = asyncio.ensure_future(budget.take("c", 10))  # fits now: not held up by the large one
+        await asyncio.sleep(0)
+        assert small.done() and not large.done()
+        budget.give_back("a", 80)
+        await asyncio.sleep(0)
+        assert large.done() and budget.taken == 60
+        with pytest.raises(ValueError, match="more than a client may ever hold"):
+            await budget.take("d", 101)
+    asyncio.run(scenario())
