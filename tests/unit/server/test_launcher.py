@@ -32,6 +32,8 @@ def test_server_command_loads_every_model_in_explicit_mode_on_loopback_with_rest
     apis = "model-repository,shared-memory,logging,trace:triton-control-key=" + "k" * 20
     assert f"--http-restricted-api={apis}" in command and f"--grpc-restricted-protocol={apis}" in command
     assert "--backend-config=python,shm-region-prefix-name=p_" in command
+    # no gRPC request/response objects kept for reuse: each held its last (up to 64 MiB) message
+    assert "--grpc-infer-allocation-pool-size=0" in command
 
 
 def test_unload_layers_put_callers_before_the_models_they_call():
