@@ -1,16 +1,18 @@
 """make soak: mixed traffic over every pipeline for a bounded time (default 10 minutes), with hostile
-requests mixed in and two faults injected, then docs/reliability.md.
+requests mixed in and three faults injected, then docs/reliability.md.
 
     python -m benchmarks.soak [--seconds 600] [--report docs/reliability.md]
 
 Traffic (one thread each, its own client): text_embedding (gRPC, 2 threads), text_classification
 (HTTP), image_classification (gRPC), speech_recognition (gRPC), the router (self-hosted and gateway
 tasks; the gateway is a local fake answering in 50 ms) and a hostile client (bad inputs, oversized
-and crashing bodies, control API calls, nested router payloads) whose requests must be refused.
+and crashing bodies, control API calls, nested router payloads) whose requests must be refused; a
+second one sends issue 33's attack classes (``soak_attacks.py``), each also to be refused.
 
 Faults: at 40% of the run eight gateway calls hang for 30 s (router → text_classification p99 is
-compared with the 30 s before); at 70% the image_preprocess stub is killed (the watchdog reloads it;
-only image requests of that window may fail).
+compared with the 30 s before); at 55% the nginx master is killed with SIGKILL (the launcher starts
+a new one; requests of the next 10 s may fail); at 70% the image_preprocess stub is killed (the
+watchdog reloads it; only image requests of that window may fail).
 
 Every 10 s: RSS of each process (tritonserver, each model's stubs, nginx, the launcher) and the
 /dev/shm bytes of each model's regions."""
@@ -41,6 +43,7 @@ from triton_pipelines.server.launcher import start_on_free_ports
 from triton_pipelines.server.processes import SHM_DIR, child_pids, find_stubs
 
 from .perf import markdown_table
+from .soak_attacks import Refused, attacks as round3_attacks
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data"
@@ -76,7 +79,7 @@ class Soak:
         try:
             call()
             outcome = "failed" if expect_refusal else "ok"
-        except (InferenceServerException, urllib.error.URLError, OSError, grpc_module.RpcError) as error:
+        except (Refused, InferenceServerException, urllib.error.URLError, OSError, grpc_module.RpcError) as error:
             outcome = "refused" if expect_refusal else "failed"
             if outcome == "failed":
                 with self.lock:
@@ -121,7 +124,7 @@ class Soak:
                 return response.read()
 
         one_text = [{"name": "text", "shape": [1, 1], "datatype": "BYTES", "data": ["hi"]}]
-        from tests import hostile_files
+        from tests.support import hostile_files
 
         progressive = hostile_files.progressive_jpeg(scans=20_000)
         rle_bmp = hostile_files.bmp_rle8_early_row_ends()
@@ -175,6 +178,15 @@ class Soak:
             time.sleep(0.2)
         grpc.close()
 
+    def round3_loop(self) -> None:
+        """Issue 33's attack classes (soak_attacks.py), one every 0.5 s, each to be refused."""
+        calls = round3_attacks(self.server, self.wav)
+        i = 0
+        while not self.stop.is_set():
+            self.record("hostile (round 3)", calls[i % len(calls)], expect_refusal=True)
+            i += 1
+            time.sleep(0.5)
+
     # --------------------------------------------------------------------------------- faults
     def hang_gateway(self, fake, hold_s: float = 30) -> None:
         from tests.support.fake_gateway import Reply
@@ -191,6 +203,14 @@ class Soak:
         self.hung_window = (self.now(), self.now() + hold_s)
         for t in threads:
             t.join()
+
+    def kill_nginx(self) -> None:
+        """kill -9 of nginx's master: its workers die with it (process group, issue 33 §3) and the
+        launcher starts a new one; requests of the next 10 s may fail (counted apart)."""
+        pid = self.server.proxy.process.pid
+        self.nginx_window = (self.now(), self.now() + 10)
+        self.events.append((self.now(), f"kill -9 of the nginx master (pid {pid})"))
+        os.kill(pid, signal.SIGKILL)
 
     def kill_stub(self) -> None:
         (stub,) = [s for s in find_stubs(self.server.process.pid) if s.model == "image_preprocess"]
@@ -229,11 +249,12 @@ class Soak:
             threading.Thread(target=self.router_loop),
             threading.Thread(target=self.router_loop),
             threading.Thread(target=self.hostile_loop),
+            threading.Thread(target=self.round3_loop),
         ]
         for worker in workers:
             worker.start()
         faults = [(0.4, lambda: threading.Thread(target=self.hang_gateway, args=(fake,)).start()),
-                  (0.7, self.kill_stub)]
+                  (0.55, self.kill_nginx), (0.7, self.kill_stub)]
         next_sample = 0.0
         while self.now() < self.seconds:
             if self.now() >= next_sample:
@@ -269,14 +290,16 @@ def p99_ms(values) -> float:
 def report(soak: Soak, seconds: float) -> str:
     records = soak.records
     kill = getattr(soak, "kill_window", (0, 0))
+    nginx = getattr(soak, "nginx_window", (0, 0))
     in_kill_window = lambda r: kill[0] <= r.at <= kill[1]  # noqa: E731
+    in_nginx_window = lambda r: nginx[0] <= r.at <= nginx[1]  # noqa: E731
     rows = []
     for pipeline in sorted({r.pipeline for r in records}):
         mine = [r for r in records if r.pipeline == pipeline]
         ok = [r.latency_s for r in mine if r.outcome == "ok"]
         failed = [r for r in mine if r.outcome == "failed"]
-        excused = [r for r in failed if pipeline in ("image_classification", "router:image_classification")
-                   and in_kill_window(r)]
+        excused = [r for r in failed if (pipeline in ("image_classification", "router:image_classification")
+                                         and in_kill_window(r)) or in_nginx_window(r)]
         rows.append([pipeline, len(mine), len(ok), sum(r.outcome == "refused" for r in mine),
                      len(failed) - len(excused), len(excused),
                      f"{statistics.median(ok) * 1000:.1f}" if ok else "-", f"{p99_ms(ok):.1f}" if ok else "-"])
@@ -314,13 +337,17 @@ def report(soak: Soak, seconds: float) -> str:
         gateway_line += (f"  The {len(hung_failed)} calls to the hung gateway failed at their deadline "
                          f"(UNAVAILABLE after {statistics.median(r.latency_s for r in hung_failed):.1f} s), as designed.\n")
     kill_failures = [r.at for r in records if r.outcome == "failed" and in_kill_window(r)]
+    nginx_failures = [r.at for r in records if r.outcome == "failed" and in_nginx_window(r)]
     recovery = (f" The last failure of that window came {max(kill_failures) - kill[0]:.0f} s after the kill."
                 if kill_failures else " No request failed.")
-    events = "\n".join(f"- {at:.0f} s: {text}" for at, text in soak.events[:40])
+    # the killed nginx's window fails every request in flight or sent then: counted above, not listed
+    listed = [(at, text) for at, text in soak.events if not nginx[0] < at <= nginx[1] + 1]
+    events = "\n".join(f"- {at:.0f} s: {text}" for at, text in listed[:40])
     return f"""# Reliability: soak run
 
 Written by `make soak` (`python -m benchmarks.soak --seconds {seconds:.0f}`): {seconds / 60:.0f} minutes of mixed
-traffic over every pipeline through the public ports, a hostile client mixed in, and two injected
+traffic over every pipeline through the public ports, two hostile clients mixed in (issue 19's
+one-request crashers and issue 33's attack classes: benchmarks/soak_attacks.py), and three injected
 faults. One run on one machine ({os.cpu_count()} cores, shared: latencies include other work on it).
 
 ## Summary
@@ -328,7 +355,10 @@ faults. One run on one machine ({os.cpu_count()} cores, shared: latencies includ
 - {len(records)} requests: {totals['ok']} answered, {totals['refused']} hostile requests refused as they should be,
   **{unexpected} unexpected failures** (the killed stub's window and the hung gateway's calls apart),
   **{soak.triton_restarts:.0f} restarts of tritonserver** (the hostile client's one-request crashers included).
-{gateway_line}- **Killed stub**: image_preprocess's stub was killed at {kill[0]:.0f} s; the image requests that failed
+{gateway_line}- **Killed nginx**: the nginx master was killed with SIGKILL at {nginx[0]:.0f} s; the launcher started a
+  new one. {len(nginx_failures)} requests failed in the 10 s after it (counted apart){
+  f", the last {max(nginx_failures) - nginx[0]:.0f} s after the kill" if nginx_failures else ""}.
+- **Killed stub**: image_preprocess's stub was killed at {kill[0]:.0f} s; the image requests that failed
   in the 15 s after it are counted apart (the watchdog reloads the model within seconds).{recovery}
 
 ## Requests per pipeline
