@@ -1,6 +1,6 @@
 """Vision pipeline: the image classifier (compute; ``--image-model``, described in ``vision_models``:
 ``efficientnet_lite0`` by default), ``image_preprocess`` and ``classification_postprocess``
-(Python) and the ``image_classification`` ensemble.
+(Python) and the ``image_logits`` (cached) and ``image_classification`` ensembles.
 
 Everything that depends on the classifier is written from its description: the ensemble's step
 (its name), image_preprocess's recipe (resize, crop, mean and std it was trained with) and output
@@ -28,6 +28,8 @@ from .vision_models import DEFAULT_IMAGE_MODEL, RANDOM_PREFIX, ImageModel, image
 MAX_BATCH_SIZE = 32
 LABELS_FILE = "labels.txt"
 ENSEMBLE = "image_classification"
+# The nested ensemble of the costly steps (preprocess + classifier), which the response cache answers.
+LOGITS_ENSEMBLE = "image_logits"
 # The ensemble step the builder names (the source config's model_name is a placeholder).
 CLASSIFIER_STEP = "<image model>"
 
@@ -35,7 +37,7 @@ CLASSIFIER_STEP = "<image model>"
 class VisionPipeline(Pipeline):
     python_models = ("image_preprocess", "classification_postprocess")
     runtime_parameters = vision.CONFIG_PARAMETERS
-    ensembles = (ENSEMBLE,)
+    ensembles = (LOGITS_ENSEMBLE, ENSEMBLE)
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -80,10 +82,12 @@ class VisionPipeline(Pipeline):
         elif config.name == "classification_postprocess":
             (logits,) = config.input
             logits.dims[0] = model.num_classes
-        elif config.name == ENSEMBLE:
+        elif config.name == LOGITS_ENSEMBLE:
             for step in config.ensemble_scheduling.step:
                 if step.model_name == CLASSIFIER_STEP:
                     step.model_name = model.name
+            (logits,) = config.output
+            logits.dims[0] = model.num_classes
 
     def write_assets(self, model_name: str, version_dir: Path, context: BuildContext) -> None:
         if model_name == "classification_postprocess":

@@ -213,14 +213,16 @@ def test_one_bad_image_fails_its_request_and_names_its_index(client):
 
 def test_concurrent_mixed_batch_bad_inputs_fail_alone(client, triton_server, reference, http_client):
     """Good images of every format and size and the bad inputs above, sent at once from 12 clients:
-    the dynamic batcher groups them (fewer preprocess executions than requests); each bad request
-    gets its own error, every good one the reference answer."""
+    the dynamic batcher groups them (fewer preprocess executions than requests; an image the
+    response cache has seen never reaches preprocess); each bad request gets its own error, every
+    good one the reference answer."""
     jobs = [("good", name) for name in GOOD] + [("bad", case) for case in BAD] + [("good", "scene.jpg")] * 4
     order = np.random.default_rng(1).permutation(len(jobs))
     jobs = [jobs[i] for i in order]
     url = triton_server.url(client.protocol)
     local, clients = threading.local(), []  # one client per thread: the HTTP client is not thread-safe
     before = http_client.statistics("image_preprocess")["model_stats"][0]
+    cache_before = cache_lookups(triton_server, "image_logits")
 
     def run(index: int):
         if not hasattr(local, "client"):
@@ -228,6 +230,8 @@ def test_concurrent_mixed_batch_bad_inputs_fail_alone(client, triton_server, ref
             clients.append(local.client)
         kind, name = jobs[index]
         payload = IMAGES[name] if kind == "good" else BAD[name][0]
+        if name == "scene.jpg":  # bytes after the JPEG's end: a new image for the response cache, same pixels
+            payload += np.random.default_rng(index).bytes(8)
         try:
             return classify(local.client, [payload])
         except InferenceServerException as error:
@@ -235,7 +239,9 @@ def test_concurrent_mixed_batch_bad_inputs_fail_alone(client, triton_server, ref
 
     with ThreadPoolExecutor(12) as pool:
         results = list(pool.map(run, range(len(jobs))))
-    after = statistics_after(http_client, "image_preprocess", before, len(jobs))
+    # every request was looked up in image_logits' response cache; its misses reached image_preprocess
+    hits, misses = (now - then for now, then in zip(cache_lookups(triton_server, "image_logits"), cache_before))
+    after = statistics_after(http_client, "image_preprocess", before, int(misses))
     for c in clients:
         c.close()
     for (kind, name), result in zip(jobs, results):
@@ -248,8 +254,16 @@ def test_concurrent_mixed_batch_bad_inputs_fail_alone(client, triton_server, ref
             assert_matches_reference(result, reference.classify([IMAGES[name]]))
     requests = int(after["inference_count"]) - int(before["inference_count"])
     executions = int(after["execution_count"]) - int(before["execution_count"])
-    assert requests == len(jobs)
+    assert hits + misses == len(jobs) and requests == misses, (hits, misses, requests)
     assert executions < requests, (executions, requests)
+
+
+def cache_lookups(server, model: str) -> tuple[float, float]:
+    from triton_pipelines import prometheus_text
+
+    samples = prometheus_text.parse_samples(prometheus_text.scrape(server.metrics_url))
+    return (prometheus_text.total(samples, "nv_cache_num_hits_per_model", model=model),
+            prometheus_text.total(samples, "nv_cache_num_misses_per_model", model=model))
 
 
 def test_preprocess_time_split_is_exported_as_metrics(triton_server):

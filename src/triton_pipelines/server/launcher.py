@@ -57,6 +57,7 @@ from triton_pipelines.limits import client_share
 from triton_pipelines.server.nginx_process import ProxyProcess
 from triton_pipelines.server.replicas import Replica, ReplicaSet, TritonProcesses
 from triton_pipelines.server.serve_cli import parse_options
+from triton_pipelines.gateway.keys import keys_from_environment
 from triton_pipelines.gateway.ledger_db import database_url
 from triton_pipelines.server.state import KEY_FILE, STATE_FILE, ServerState, private_dir, write_private
 from triton_pipelines.server.status import LauncherMetrics, StatusServer
@@ -136,6 +137,9 @@ class Launcher:
         self.gate_port = free_ports(1)[0]  # the proxy's in-flight gate, kept across reconfigurations
         self.openai: FrontendProcess | None = None  # the OpenAI-compatible frontend behind /v1/
         try:
+            # A keys file that is named but missing or malformed stops the start before any process
+            # is spawned (one line; the frontend checks it again for its restarts).
+            keys_from_environment()
             processes = TritonProcesses(options, self.key, self.metrics, self.log, stdout, stderr,
                                         public_models_file(options, self.state_dir))
             for index in range(options.replicas):

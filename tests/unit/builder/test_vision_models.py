@@ -127,11 +127,13 @@ def test_the_builder_writes_every_config_from_the_chosen_model(tmp_path):
         build_main(["--target", "embedded", "--pipelines", "vision", "--output", str(output), flag, str(folder)])
         assert (output / "resnet10" / "1" / "model.onnx").exists() and (output / "resnet10_batch").exists()
         assert not (output / "efficientnet_lite0").exists()
-        steps = [s.model_name for s in read_config(output / "image_classification" / "config.pbtxt")
-                 .ensemble_scheduling.step]
-        assert steps == ["image_preprocess", "resnet10", "classification_postprocess"]
-        assert [s.model_name for s in read_config(output / "image_classification_batch" / "config.pbtxt")
-                .ensemble_scheduling.step][1] == "resnet10_batch"
+        steps = lambda name: [s.model_name for s in read_config(output / name / "config.pbtxt")  # noqa: E731
+                              .ensemble_scheduling.step]
+        assert steps("image_classification") == ["image_logits", "classification_postprocess"]
+        assert steps("image_logits") == ["image_preprocess", "resnet10"]
+        assert list(read_config(output / "image_logits" / "config.pbtxt").output[0].dims) == [3]
+        assert steps("image_classification_batch") == ["image_logits_batch", "classification_postprocess"]
+        assert steps("image_logits_batch") == ["image_preprocess", "resnet10_batch"]
         preprocess = read_config(output / "image_preprocess" / "config.pbtxt")
         assert list(preprocess.output[0].dims) == [3, 160, 160]
         assert {k: preprocess.parameters[k].string_value for k in ("resize_shorter_side", "crop_size", "mean")} == {
