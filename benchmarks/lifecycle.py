@@ -38,11 +38,12 @@ DATA = ROOT / "tests" / "data"
 
 
 def image_classifier(repository: Path) -> str:
-    """The compute model image_classification runs (named for --image-model: efficientnet_lite0 by default)."""
+    """The compute model image_classification runs, its nested image_logits' second step (named for
+    --image-model: efficientnet_lite0 by default)."""
     from repo_builder.files import read_config
     from triton_pipelines.repository.ensemble_graph import ensemble_steps
 
-    return ensemble_steps(read_config(repository / "image_classification" / "config.pbtxt"))[1].model
+    return ensemble_steps(read_config(repository / "image_logits" / "config.pbtxt"))[1].model
 
 
 def compute_inputs(classifier: str, arch_layers: int = 4) -> dict[str, dict[str, np.ndarray]]:

@@ -112,11 +112,11 @@ def ensure_repository() -> Path:
 
 
 def image_classifier(repository: Path | None = None) -> str:
-    """The compute model that the built repository's image_classification runs (the builder names it
-    for --image-model: efficientnet_lite0 by default)."""
+    """The compute model that the built repository's image_classification runs, its nested
+    image_logits' second step (the builder names it for --image-model: efficientnet_lite0 by default)."""
     from repo_builder.files import read_config
 
-    config = read_config((repository or ensure_repository()) / "image_classification" / "config.pbtxt")
+    config = read_config((repository or ensure_repository()) / "image_logits" / "config.pbtxt")
     return config.ensemble_scheduling.step[1].model_name
 
 
