@@ -56,6 +56,7 @@ class Record:
     pipeline: str
     latency_s: float
     outcome: str  # ok | refused (hostile, as expected) | failed
+    error: str = ""  # a failure's message
 
 
 class Soak:
@@ -76,16 +77,19 @@ class Soak:
 
     def record(self, pipeline: str, call, expect_refusal: bool = False) -> None:
         started = time.monotonic()
+        message = ""
         try:
             call()
             outcome = "failed" if expect_refusal else "ok"
+            message = "not refused" if expect_refusal else ""
         except (Refused, InferenceServerException, urllib.error.URLError, OSError, grpc_module.RpcError) as error:
             outcome = "refused" if expect_refusal else "failed"
             if outcome == "failed":
+                message = str(error)[:200]
                 with self.lock:
-                    self.events.append((self.now(), f"{pipeline}: {str(error)[:160]}"))
+                    self.events.append((self.now(), f"{pipeline}: {message[:160]}"))
         with self.lock:
-            self.records.append(Record(started - self.start, pipeline, time.monotonic() - started, outcome))
+            self.records.append(Record(started - self.start, pipeline, time.monotonic() - started, outcome, message))
 
     # --------------------------------------------------------------------------------- traffic
     def loop(self, pipeline: str, protocol: str, make_call) -> None:
@@ -292,7 +296,8 @@ def report(soak: Soak, seconds: float) -> str:
     kill = getattr(soak, "kill_window", (0, 0))
     nginx = getattr(soak, "nginx_window", (0, 0))
     in_kill_window = lambda r: kill[0] <= r.at <= kill[1]  # noqa: E731
-    in_nginx_window = lambda r: nginx[0] <= r.at <= nginx[1]  # noqa: E731
+    # a request in flight when nginx was killed (started before, ended after) fails with it too
+    in_nginx_window = lambda r: r.at <= nginx[1] and r.at + r.latency_s >= nginx[0]  # noqa: E731
     rows = []
     for pipeline in sorted({r.pipeline for r in records}):
         mine = [r for r in records if r.pipeline == pipeline]
@@ -343,6 +348,11 @@ def report(soak: Soak, seconds: float) -> str:
     # the killed nginx's window fails every request in flight or sent then: counted above, not listed
     listed = [(at, text) for at, text in soak.events if not nginx[0] < at <= nginx[1] + 1]
     events = "\n".join(f"- {at:.0f} s: {text}" for at, text in listed[:40])
+    unexpected_rows = [r for r in records if r.outcome == "failed" and not r.pipeline.endswith("(hung)")
+                       and not in_nginx_window(r)
+                       and not (r.pipeline in ("image_classification", "router:image_classification") and in_kill_window(r))]
+    unexpected_list = "\n".join(f"- {r.at:.0f} s (+{r.latency_s:.1f} s) {r.pipeline}: {r.error}"
+                                 for r in unexpected_rows[:20]) or "- none"
     return f"""# Reliability: soak run
 
 Written by `make soak` (`python -m benchmarks.soak --seconds {seconds:.0f}`): {seconds / 60:.0f} minutes of mixed
@@ -378,6 +388,10 @@ faults. One run on one machine ({os.cpu_count()} cores, shared: latencies includ
 ## /dev/shm per model (MiB) — first sample, last sample, peak
 
 {markdown_table(["model", "first", "last", "peak"], shm)}
+
+## Unexpected failures
+
+{unexpected_list}
 
 ## Events
 
