@@ -37,6 +37,7 @@ from triton_pipelines.errors import REFUSAL_STATUSES, parse_refusal
 from triton_pipelines.http1 import Upstream, header, read_body, read_head
 from triton_pipelines.front.nginx_config import CLIENT_ADDRESS_HEADER, grpc_overloaded_message
 from triton_pipelines.front.places import Places
+from triton_pipelines.telemetry.front import TRACE_HEADERS, metadata_value, screen_trace
 from triton_pipelines.front.screen import (ScreenError, ScreenPolicy, check_grpc_request, check_http_request,
                                            is_final_response, restarting_model_message)
 
@@ -143,7 +144,9 @@ class HttpScreen:
                     writer.write(http_response(error.status, error_body(str(error))))
                     await writer.drain()
                     continue
-                writer.write(await self.forward(request_line, headers, body, extra))
+                traced = screen_trace("http", model, header(headers, b"traceparent"), header(headers, b"tracestate"))
+                writer.write(traced.http_answer(await self.forward(request_line, headers, body,
+                                                                   extra + traced.http_headers())))
                 await writer.drain()
         except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError, IndexError):
             pass
@@ -205,7 +208,7 @@ class GrpcScreen:
     # authorization: the key's secret never reaches Triton (its id does, for the router); the
     # deadline header is the screen's own (client_deadline)
     _DROP = {"user-agent", "grpc-accept-encoding", "grpc-encoding", "te", "content-type", "authorization",
-             KEY_ID_PARAMETER, CLIENT_DEADLINE_PARAMETER, CLIENT_ADDRESS_HEADER}
+             KEY_ID_PARAMETER, CLIENT_DEADLINE_PARAMETER, CLIENT_ADDRESS_HEADER, *TRACE_HEADERS}
 
     def __init__(self, policy: ScreenPolicy, triton_grpc: str, keys: KeyRing | None = None,
                  places: Places | None = None, overloaded: str = "", first_message_s: float = STREAM_FIRST_MESSAGE_S):
@@ -254,12 +257,16 @@ class GrpcScreen:
         client = client_address(received)
         if not self.places.try_take(client):
             await context.abort(grpc.StatusCode.UNAVAILABLE, self.overloaded, (("retry-after", "1"),))
+        traced = screen_trace("grpc", model, metadata_value(received, "traceparent"),
+                              metadata_value(received, "tracestate"))
         try:
-            return await self.call(request, timeout=remaining, metadata=metadata)
+            return await self.call(request, timeout=remaining, metadata=metadata + traced.grpc_metadata(context))
         except grpc.aio.AioRpcError as error:
+            traced.end(error.code().name)
             await self._abort_with(context, error)
         finally:
             self.places.give_back(client)
+            traced.end()
 
     async def _abort_with(self, context, error) -> None:
         """Triton's failure of a ModelInfer call, as the caller should see it."""
