@@ -91,3 +91,29 @@ def screen_trace(protocol: str, model: str, traceparent=None, tracestate=None):
 def metadata_value(metadata, name: str):
     """The first value of ``name`` in gRPC metadata (None when absent)."""
     return next((value for key, value in metadata if key == name), None)
+
+
+class HttpServerSpan:
+    """The /v1 frontend's span of one request (``FRONTEND_SPAN``), current while it is handled, so
+    that the gateway's and Triton's calls hang under it; ``trace_id`` for the ``x-trace-id`` header."""
+
+    def __init__(self, method: str, route: str, traceparent=None, tracestate=None):
+        self.span = tracing.start_span(names.FRONTEND_SPAN.format(method=method, route=route),
+                                       tracing.remote_context(traceparent, tracestate), "server",
+                                       {names.HTTP_METHOD: method, names.HTTP_ROUTE: route})
+        self.trace_id = f"{self.span.get_span_context().trace_id:032x}"
+
+    def current(self):
+        return tracing.attached(_context_of(self.span))
+
+    def end(self, status: int) -> None:
+        self.span.set_attribute(names.HTTP_STATUS, status)
+        if status >= 500 or status == 499:
+            tracing.fail(self.span, str(status))
+        self.span.end()
+
+
+def _context_of(span):
+    from opentelemetry import trace
+
+    return trace.set_span_in_context(span)
