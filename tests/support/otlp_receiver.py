@@ -34,6 +34,7 @@ class ReceivedSpan:
     status_code: int  # 0 unset, 1 ok, 2 error
     attributes: dict = field(default_factory=dict)
     events: list = field(default_factory=list)  # (name, time_ns): tritonserver's timestamps
+    trace_state: str = ""
 
 
 def _value(any_value):
@@ -75,7 +76,7 @@ def decode(body: bytes, content_type: str = "application/x-protobuf") -> list[Re
                     str(resource.get("service.name", "")), str(resource.get("triton_pipelines.process", "")),
                     span.kind, span.start_time_unix_nano, span.end_time_unix_nano, span.status.code,
                     {a.key: _value(a.value) for a in span.attributes},
-                    [(e.name, e.time_unix_nano) for e in span.events]))
+                    [(e.name, e.time_unix_nano) for e in span.events], span.trace_state))
     return spans
 
 

@@ -6,7 +6,8 @@ is the request's ``InferenceTrace`` and ``get_context()`` its W3C context as JSO
 (``StubSpans``: its own work, tokenizer, image decode, audio features) hangs there. A BLS request
 joins the caller's trace only if it is given ``trace=request.trace()``; Triton does not pass it on by
 itself. ``bls_trace()`` is that trace for the request being served (a ``ContextVar``, set here for
-the execute or the router's task), and every BLS call gets a span of its own (``bls_span``).
+the execute), and every BLS call gets a span of its own (``bls_span``). A request served after its
+``execute`` returned (the router's, decoupled) cannot lend its trace: ``request_span``.
 
 A BLS call made for a batch of requests (whisper_decode decodes a group's windows together) belongs to
 every request of the batch: it is traced in the first traced request's trace, and the batch's size
@@ -88,26 +89,33 @@ def begin(requests: Sequence) -> StubSpans | None:
 
 @contextmanager
 def request_span(request, attributes: dict | None = None) -> Iterator:
-    """A span for one request handled on its own (the router's task): under Triton's span for it,
-    current inside the block, its trace the block's ``bls_trace()``. None when it is not traced."""
+    """A span for one request handled on its own, after ``execute`` returned (the router's task):
+    under Triton's span for it, current inside the block; None when it is not traced.
+
+    Its BLS calls get spans of their own but not ``trace=request.trace()``: the Python backend has
+    released a decoupled model's requests once ``execute`` returned, and tritonserver 2.51 crashes
+    (SIGSEGV in TRITONSERVER_ServerInferAsync) on a BLS request given such a request's trace. The
+    callee then runs untraced by Triton (its own spans are not in the trace; the BLS span times it)."""
     parent = triton_context(request) if tracing.enabled() else None
     if parent is None:
         yield None
         return
-    token = _BLS_TRACE.set(request.trace())
-    try:
-        with tracing.span(names.STUB_SPAN.format(model=MODEL["name"]), parent, "internal",
-                          {names.MODEL: MODEL["name"], **(attributes or {})}) as span:
-            yield span
-    finally:
-        _BLS_TRACE.reset(token)
+    with tracing.span(names.STUB_SPAN.format(model=MODEL["name"]), parent, "internal",
+                      {names.MODEL: MODEL["name"], **(attributes or {})}) as span:
+        yield span
 
 
 @contextmanager
 def bls_span(target: str) -> Iterator:
     """One BLS call's span (under the current one); None when untraced."""
-    if _BLS_TRACE.get() is None:
+    if not tracing.enabled() or not _recording():
         yield None
         return
     with tracing.span(names.BLS_SPAN.format(model=target), attributes={names.MODEL: target}) as span:
         yield span
+
+
+def _recording() -> bool:
+    from opentelemetry import trace
+
+    return trace.get_current_span().is_recording()
