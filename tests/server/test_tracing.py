@@ -175,6 +175,7 @@ def test_speech_has_its_decode_loop_with_each_bls_call(server, receiver):
     steps = named(spans, "bls whisper_decoder", "stub")
     assert len(steps) >= 2 and all(s.parent_span_id == decode.span_id for s in steps)
     assert len(named(spans, "whisper_decoder", "tritonserver")) == len(steps)  # each BLS call traced by Triton
+    print(describe(spans))
 
 
 def route_request(task: str, payload: dict) -> dict:
@@ -248,6 +249,7 @@ def test_chat_completions_are_one_tree_with_the_gateway_call(server, receiver, f
     check_gateway_span(spans, "deepseek-v3.2")
     rows = ledger_rows(server, trace_id)
     assert [r["request_id"] for r in rows] == [body["id"]]
+    print(describe(spans))
 
 
 def test_v1_embeddings_reach_triton_in_the_frontends_trace(server, receiver):
