@@ -48,6 +48,8 @@ def server(receiver, fake):
 
     with environment(OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint, OTEL_TRACES_SAMPLER="parentbased_traceidratio",
                      OTEL_TRACES_SAMPLER_ARG="0", OTEL_BSP_SCHEDULE_DELAY="100", OTEL_SERVICE_NAME="pipelines-test",
+                     # a small span queue, so that a receiver that is down overfills it within the test
+                     OTEL_BSP_MAX_QUEUE_SIZE="256", OTEL_BSP_MAX_EXPORT_BATCH_SIZE="64",
                      LLM_GATEWAY_BASE_URL=fake.base_url, LLM_GATEWAY_API_KEY=GATEWAY_KEY):
         launched = start_on_free_ports(ensure_repository(), LOG_DIR / "test-tracing-server.log", models=MODELS,
                                        timeout_s=600)
@@ -318,11 +320,22 @@ def timed_requests(server, count: int) -> float:
     return (time.perf_counter() - started) / count
 
 
+def rss_bytes(pid: int) -> int:
+    status = open(f"/proc/{pid}/status").read()
+    return int(status.split("VmRSS:")[1].split()[0]) * 1024
+
+
 def test_a_slow_then_down_receiver_costs_the_requests_nothing(server, receiver):
-    """Last in this module: the receiver is closed at its end."""
+    """Last in this module: the receiver is closed at its end. Down, every process's span queue
+    (256 spans here) fills and the excess is dropped: the screen's memory stays put."""
     baseline = timed_requests(server, 20)
     receiver.delay_s = 3.0  # every export now takes 3 s
     slow = timed_requests(server, 20)
     receiver.close()  # and now there is none
-    down = timed_requests(server, 40)
+    screen = server.replicas[0].screen.pid
+    timed_requests(server, 300)  # more spans than the queue holds
+    before = rss_bytes(screen)
+    down = timed_requests(server, 300)
+    grown = rss_bytes(screen) - before
     assert slow < baseline * 2 + 0.05 and down < baseline * 2 + 0.05, (baseline, slow, down)
+    assert grown < 16 << 20, f"the screen grew by {grown >> 20} MiB while its receiver was down"
