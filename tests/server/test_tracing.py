@@ -26,7 +26,8 @@ from tests.conftest import LOG_DIR, ensure_repository, environment
 from tests.support.otlp_receiver import OtlpReceiver, describe, tree_problems
 from tests.support.paths import TEST_DATA
 
-MODELS = ["text_embedding", "image_classification", "speech_recognition", "whisper_encoder", "whisper_decoder", "router"]
+MODELS = ["text_embedding", "image_classification", "speech_recognition", "speech_recognition_stream",
+          "whisper_encoder", "whisper_decoder", "router"]
 GATEWAY_KEY = "gw-" + os.urandom(12).hex()
 
 
@@ -178,6 +179,37 @@ def test_speech_has_its_decode_loop_with_each_bls_call(server, receiver):
     assert len(steps) >= 2 and all(s.parent_span_id == decode.span_id for s in steps)
     assert len(named(spans, "whisper_decoder", "tritonserver")) == len(steps)  # each BLS call traced by Triton
     print(describe(spans))
+
+
+def test_a_grpc_stream_is_one_span_with_its_requests_under_it(server, receiver):
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    traceparent, trace_id, span_id = new_parent()
+    audio = (TEST_DATA / "speech_hello.wav").read_bytes()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    results: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: results.put((result, error)),
+                        headers={"traceparent": traceparent})
+    try:
+        inputs = [grpcclient.InferInput("audio", [1, 1], "BYTES"), grpcclient.InferInput("max_new_tokens", [1, 1], "INT32")]
+        inputs[0].set_data_from_numpy(np.array([[audio]], dtype=object))
+        inputs[1].set_data_from_numpy(np.array([[3]], dtype=np.int32))
+        client.async_stream_infer("speech_recognition_stream", inputs)
+        while True:
+            result, error = results.get(timeout=120)
+            assert error is None, error
+            if result.as_numpy("is_final").reshape(-1)[0]:
+                break
+    finally:
+        client.stop_stream()
+        client.close()
+    wanted = [("screen stream", "screen"), ("speech_recognition_stream", "tritonserver"),
+              ("speech_recognition_stream", "stub"), ("bls whisper_encoder", "stub"), ("bls whisper_decoder", "stub"),
+              ("whisper_decoder", "tritonserver")]
+    spans = wait_tree(receiver, trace_id, wanted)
+    check_tree(spans, wanted, span_id)
 
 
 def route_request(task: str, payload: dict) -> dict:

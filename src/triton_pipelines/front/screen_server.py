@@ -308,7 +308,9 @@ class GrpcScreen:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                                 f"no request arrived within {self.first_message_s:g} s of the stream's start: "
                                 "an idle stream is closed (send the first request when it opens)")
-        call = self.stream_call(timeout=context.time_remaining(), metadata=metadata)
+        traced = screen_trace("grpc", "stream", metadata_value(received, "traceparent"),
+                              metadata_value(received, "tracestate"))  # one span for the whole stream
+        call = self.stream_call(timeout=context.time_remaining(), metadata=metadata + traced.grpc_metadata(context))
         # Triton's responses and our refusals, in order; bounded, so a client that sends refused
         # messages without reading the answers is held back (it is no longer read) instead of queued.
         answers: asyncio.Queue = asyncio.Queue(maxsize=64)
@@ -361,6 +363,7 @@ class GrpcScreen:
             drain.cancel()
             call.cancel()
             await asyncio.gather(pump, drain, return_exceptions=True)
+            traced.end()
             if held[0]:  # requests whose final response never came (cancelled, failed stream)
                 self.places.give_back(client, held[0])
                 held[0] = 0
