@@ -296,6 +296,20 @@ def test_v1_embeddings_reach_triton_in_the_frontends_trace(server, receiver):
     check_tree(spans, wanted, span_id)
 
 
+def test_v1_transcriptions_reach_the_stream_model_in_the_frontends_trace(server, receiver):
+    openai = pytest.importorskip("openai")
+    traceparent, trace_id, span_id = new_parent()
+    client = openai.OpenAI(base_url=f"http://{server.http_url}/v1", api_key="none", max_retries=0, timeout=120)
+    raw = client.audio.transcriptions.with_raw_response.create(
+        model="speech_recognition", file=("a.wav", (TEST_DATA / "speech_hello.wav").read_bytes()),
+        extra_headers={"traceparent": traceparent})
+    assert raw.headers["x-trace-id"] == trace_id and raw.parse().text
+    wanted = [("POST /v1/audio/transcriptions", "frontend"), ("speech_recognition_stream", "tritonserver"),
+              ("speech_recognition_stream", "stub"), ("bls whisper_decoder", "stub")]
+    spans = wait_tree(receiver, trace_id, wanted)
+    check_tree(spans, wanted, span_id)
+
+
 def test_at_ratio_zero_only_a_sampled_parent_is_traced(server, receiver):
     before = {s.trace_id for s in receiver.spans}
     unsampled = f"00-{os.urandom(16).hex()}-{os.urandom(8).hex()}-00"
