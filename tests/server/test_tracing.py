@@ -193,7 +193,8 @@ def test_a_grpc_stream_is_one_span_with_its_requests_under_it(server, receiver):
     client.start_stream(callback=lambda result, error: results.put((result, error)),
                         headers={"traceparent": traceparent})
     try:
-        inputs = [grpcclient.InferInput("audio", [1, 1], "BYTES"), grpcclient.InferInput("max_new_tokens", [1, 1], "INT32")]
+        inputs = [grpcclient.InferInput("audio", [1, 1], "BYTES"),
+                  grpcclient.InferInput("max_new_tokens", [1, 1], "INT32")]
         inputs[0].set_data_from_numpy(np.array([[audio]], dtype=object))
         inputs[1].set_data_from_numpy(np.array([[3]], dtype=np.int32))
         client.async_stream_infer("speech_recognition_stream", inputs)

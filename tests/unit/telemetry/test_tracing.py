@@ -24,7 +24,8 @@ def test_settings_follow_the_standard_variables():
                                                                           tracing.DEFAULT_SERVICE_NAME)
     settings = TraceSettings.from_environment({
         "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://jaeger:4318/v1/traces", "OTEL_TRACES_SAMPLER": "traceidratio",
-        "OTEL_TRACES_SAMPLER_ARG": "0.25", "OTEL_RESOURCE_ATTRIBUTES": "service.name=inference,deployment.environment=prod%20eu"})
+        "OTEL_TRACES_SAMPLER_ARG": "0.25",
+        "OTEL_RESOURCE_ATTRIBUTES": "service.name=inference,deployment.environment=prod%20eu"})
     assert settings.traces_url == "http://jaeger:4318/v1/traces"
     assert (settings.sampler, settings.ratio, settings.service_name) == ("traceidratio", 0.25, "inference")
     assert ("deployment.environment", "prod eu") in settings.resource
