@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 REPORT = ROOT / os.environ.get("BENCH_REPORT", "docs/benchmarks.md")
 # Module name under benchmarks/ → its section in the report, in report order.
 BENCHMARKS = ["bench_peers", "bench_sweep", "bench_text", "bench_vision", "bench_speech", "bench_router",
-              "bench_proxy", "bench_openai", "bench_cache"]
+              "bench_proxy", "bench_openai", "bench_cache", "bench_tracing"]
 QUICK = ["bench_peers", "bench_sweep"]
 
 HEADER = """# Benchmarks

@@ -20,6 +20,7 @@ from triton_pipelines.stub.bls import call_async
 from triton_pipelines.stub.metrics import RouterMetrics
 from triton_pipelines.stub.model_args import model_parameters, version_dir
 from triton_pipelines.stub.responses import input_array, output_response, request_parameters, response_error
+from triton_pipelines.stub.tracing import request_span
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -54,7 +55,8 @@ class TritonPythonModel:
         sender = request.get_response_sender()
         inputs = [input_array(request, name) for name in ("task", "payload", "latency_class")]
         key_id = request_parameters(request).get(KEY_ID_PARAMETER)  # forwarded by the request screen
-        answer = await self.service.handle(*inputs, request.request_id() or None, key_id)
+        with request_span(request):  # its BLS and gateway calls' spans hang under it, when traced
+            answer = await self.service.handle(*inputs, request.request_id() or None, key_id)
         if answer.reason:
             sender.send(pb_utils.InferenceResponse(error=response_error(answer.reason, answer.message)), flags=FINAL)
         else:

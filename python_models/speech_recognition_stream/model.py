@@ -16,6 +16,7 @@ from triton_pipelines.pipelines.speech.features import load_mel_filters
 from triton_pipelines.pipelines.speech.streaming import StreamDecode, plan_stream_job
 from triton_pipelines.stub.model_args import version_dir
 from triton_pipelines.stub.responses import error_response, input_array, output_response, request_parameters
+from triton_pipelines.stub.tracing import begin
 from triton_pipelines.stub.whisper import WhisperBls
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -30,6 +31,14 @@ class TritonPythonModel:
         self.filters = load_mel_filters(version_dir(args) / "mel_filters.npz", int(p["n_mels"]))
 
     def execute(self, requests):
+        traced = begin(requests)  # None unless tracing (stub/tracing.py): its BLS calls join the trace
+        try:
+            return self.decode(requests)
+        finally:
+            if traced is not None:
+                traced.end([])
+
+    def decode(self, requests):
         senders = [request.get_response_sender() for request in requests]
         jobs = []
         for request, sender in zip(requests, senders):

@@ -38,6 +38,7 @@ from triton_pipelines.errors import REFUSAL_STATUSES, parse_refusal
 from triton_pipelines.http1 import Upstream, header, read_body, read_head
 from triton_pipelines.front.nginx_config import CLIENT_ADDRESS_HEADER, grpc_overloaded_message
 from triton_pipelines.front.places import Places, byte_budget, bytes_overloaded_message
+from triton_pipelines.telemetry.front import TRACE_HEADERS, metadata_value, screen_trace
 from triton_pipelines.front.screen import (ScreenError, ScreenPolicy, check_grpc_request, check_http_request,
                                            is_final_response, restarting_model_message)
 
@@ -176,7 +177,8 @@ class HttpScreen:
                     extra.append((KEY_ID_PARAMETER.encode(), key_id.encode()))
         except ScreenError as error:
             return http_response(error.status, error_body(str(error)))
-        return await self.forward(request_line, headers, body, extra)
+        traced = screen_trace("http", model, header(headers, b"traceparent"), header(headers, b"tracestate"))
+        return traced.http_answer(await self.forward(request_line, headers, body, extra + traced.http_headers()))
 
     async def forward(self, request_line: bytes, headers, body: bytes, extra=()) -> bytes:
         head = [request_line] + [name + b": " + value for name, value in headers if name in _FORWARDED_HEADERS]
@@ -233,7 +235,7 @@ class GrpcScreen:
     # authorization: the key's secret never reaches Triton (its id does, for the router); the
     # deadline header is the screen's own (client_deadline)
     _DROP = {"user-agent", "grpc-accept-encoding", "grpc-encoding", "te", "content-type", "authorization",
-             KEY_ID_PARAMETER, CLIENT_DEADLINE_PARAMETER, CLIENT_ADDRESS_HEADER}
+             KEY_ID_PARAMETER, CLIENT_DEADLINE_PARAMETER, CLIENT_ADDRESS_HEADER, *TRACE_HEADERS}
 
     def __init__(self, policy: ScreenPolicy, triton_grpc: str, keys: KeyRing | None = None,
                  places: Places | None = None, overloaded: str = "", first_message_s: float = STREAM_FIRST_MESSAGE_S,
@@ -288,13 +290,17 @@ class GrpcScreen:
         if not self.request_bytes.try_take(client, len(request)):
             self.places.give_back(client)
             await context.abort(grpc.StatusCode.UNAVAILABLE, self.bytes_overloaded, (("retry-after", "1"),))
+        traced = screen_trace("grpc", model, metadata_value(received, "traceparent"),
+                              metadata_value(received, "tracestate"))
         try:
-            return await self.call(request, timeout=remaining, metadata=metadata)
+            return await self.call(request, timeout=remaining, metadata=metadata + traced.grpc_metadata(context))
         except grpc.aio.AioRpcError as error:
+            traced.end(error.code().name)
             await self._abort_with(context, error)
         finally:
             self.places.give_back(client)
             self.request_bytes.give_back(client, len(request))
+            traced.end()
 
     async def _abort_with(self, context, error) -> None:
         """Triton's failure of a ModelInfer call, as the caller should see it."""
@@ -336,7 +342,9 @@ class GrpcScreen:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                                 f"no request arrived within {self.first_message_s:g} s of the stream's start: "
                                 "an idle stream is closed (send the first request when it opens)")
-        call = self.stream_call(timeout=context.time_remaining(), metadata=metadata)
+        traced = screen_trace("grpc", "stream", metadata_value(received, "traceparent"),
+                              metadata_value(received, "tracestate"))  # one span for the whole stream
+        call = self.stream_call(timeout=context.time_remaining(), metadata=metadata + traced.grpc_metadata(context))
         # Triton's responses and our refusals, in order; bounded, so a client that sends refused
         # messages without reading the answers is held back (it is no longer read) instead of queued.
         answers: asyncio.Queue = asyncio.Queue(maxsize=64)
@@ -389,6 +397,7 @@ class GrpcScreen:
             drain.cancel()
             call.cancel()
             await asyncio.gather(pump, drain, return_exceptions=True)
+            traced.end()
             while held:  # requests whose final response never came (cancelled, failed stream)
                 self.give_back(client, held.popleft())
 

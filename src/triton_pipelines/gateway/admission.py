@@ -26,6 +26,7 @@ class Plan:
     request_id: str
     prompt_tokens: int
     max_tokens: int | None  # None: each model's output limit (``RouteTable.output_limit``)
+    trace_id: str | None = None  # the request's trace (telemetry/tracing.py), stored in its ledger rows
 
 
 class Admission:
@@ -60,7 +61,7 @@ class Admission:
             self.ledger.admit, limits, request_id=plan.request_id, task=task or "", model=model,
             reserved_nusd=self.reserved(plan, model), reserved_tokens=plan.prompt_tokens + self.max_tokens(plan, model),
             expires_in_s=remaining_s + self.reservation_margin_s,
-            counts_request=first, check_rates=first))
+            counts_request=first, check_rates=first, trace_id=plan.trace_id))
         try:
             return await asyncio.shield(admitted)
         except asyncio.CancelledError:

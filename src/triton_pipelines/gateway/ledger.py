@@ -152,7 +152,7 @@ class SpendLedger:
     # ----------------------------------------------------------------------------- admission
     def admit(self, key: KeyLimits, *, request_id: str, task: str, model: str, reserved_nusd: int,
               reserved_tokens: int, expires_in_s: float, counts_request: bool = True,
-              check_rates: bool = True) -> int:
+              check_rates: bool = True, trace_id: str | None = None) -> int:
         """Check the key's budget, rpm and tpm and insert a reservation, atomically; the row's id.
         Raises LimitExceeded. ``counts_request``: this row counts toward rpm (a fallback attempt of
         the same request does not); ``check_rates``: False checks the budget only (a fallback
@@ -166,7 +166,7 @@ class SpendLedger:
             if key.limited:
                 self._check(key, now, counts_request, check_rates)
             return self._insert(key, request_id, task, model, reserved_nusd, reserved_tokens, now,
-                                now + expires_in_s, counts_request)
+                                now + expires_in_s, counts_request, trace_id)
 
         return self.db.transaction(body)
 
@@ -201,11 +201,12 @@ class SpendLedger:
                 raise LimitExceeded(key.name, "tpm", key.tpm, used, max(reopens - now, 1.0))
 
     def _insert(self, key: KeyLimits, request_id: str, task: str, model: str, reserved_nusd: int,
-                reserved_tokens: int, now: float, expires_at: float, counts_request: bool) -> int:
+                reserved_tokens: int, now: float, expires_at: float, counts_request: bool,
+                trace_id: str | None = None) -> int:
         columns = ("request_id, key_id, key_name, task, model, status, counts_request, started_at, expires_at, "
-                   "reserved_nusd, reserved_tokens, replica")
+                   "reserved_nusd, reserved_tokens, replica, trace_id")
         values = (request_id, key.key_id, key.name, task, model, "reserved", int(counts_request), now, expires_at,
-                  int(reserved_nusd), int(reserved_tokens), self.replica)
+                  int(reserved_nusd), int(reserved_tokens), self.replica, trace_id)
         sql = f"INSERT INTO spend_log ({columns}) VALUES ({', '.join('?' * len(values))})"
         return self.db.insert(sql, values)
 
@@ -257,10 +258,10 @@ class SpendLedger:
         cursor_rows = self.db.read(f"SELECT id, request_id, key_id, key_name, task, model, status, counts_request, "
                                  f"started_at, expires_at, settled_at, reserved_nusd, reserved_tokens, input_tokens, "
                                  f"output_tokens, cost_nusd, latency_s, outcome, fallback_from, fallback_reason, "
-                                 f"replica FROM spend_log {where} ORDER BY id", parameters)
+                                 f"replica, trace_id FROM spend_log {where} ORDER BY id", parameters)
         names = ("id", "request_id", "key_id", "key_name", "task", "model", "status", "counts_request", "started_at",
                  "expires_at", "settled_at", "reserved_nusd", "reserved_tokens", "input_tokens", "output_tokens",
-                 "cost_nusd", "latency_s", "outcome", "fallback_from", "fallback_reason", "replica")
+                 "cost_nusd", "latency_s", "outcome", "fallback_from", "fallback_reason", "replica", "trace_id")
         return [dict(zip(names, row)) for row in cursor_rows]
 
     def summary(self, group_by: Iterable[str] = ("key", "model", "day"), since: float | None = None,

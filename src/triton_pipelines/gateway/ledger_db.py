@@ -42,11 +42,15 @@ CREATE TABLE IF NOT EXISTS spend_log (
     outcome TEXT,
     fallback_from TEXT,
     fallback_reason TEXT,
-    replica TEXT NOT NULL
+    replica TEXT NOT NULL,
+    trace_id TEXT
 );
 CREATE INDEX IF NOT EXISTS spend_log_key_started ON spend_log (key_id, started_at);
 CREATE INDEX IF NOT EXISTS spend_log_status_expires ON spend_log (status, expires_at);
 """
+# Columns added after a ledger's first release: added to a database that predates them, at start
+# (table, column, type). trace_id: the request's OpenTelemetry trace (telemetry/tracing.py).
+ADDED_COLUMNS = (("spend_log", "trace_id", "TEXT"),)
 # What a row counts against a budget: its reservation while outstanding, else what it cost.
 CHARGED = "(CASE WHEN status = 'reserved' THEN reserved_nusd ELSE COALESCE(cost_nusd, 0) END)"
 TOKENS = ("(CASE WHEN status = 'reserved' THEN reserved_tokens "
@@ -119,12 +123,22 @@ class LedgerDatabase:
         statements = [s.strip() for s in SCHEMA.format(serial=serial).split(";") if s.strip()]
         if self.dialect == "sqlite":
             self._conn.executescript(";\n".join(statements) + ";")
+            self._conn.execute("BEGIN IMMEDIATE")  # several processes may start on one file at once
+            try:
+                for table, column, kind in ADDED_COLUMNS:
+                    present = {row[1] for row in self._conn.execute(f"PRAGMA table_info({table})")}
+                    if column not in present:
+                        self._conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
+            finally:
+                self._conn.execute("COMMIT")
         else:
             with self._conn.transaction():
                 # concurrent first starts of several replicas: one creates, the others wait
                 self._conn.execute("SELECT pg_advisory_xact_lock(7482931)")
                 for statement in statements:
                     self._conn.execute(statement)
+                for table, column, kind in ADDED_COLUMNS:
+                    self._conn.execute(f"ALTER TABLE {table} ADD COLUMN IF NOT EXISTS {column} {kind}")
 
     def transaction(self, body: Callable[[], Any]) -> Any:
         """``body`` inside one write transaction (SQLite: the database's write lock from the start)."""

@@ -54,6 +54,8 @@ from triton_pipelines.gateway.admission import Admission, Plan
 from triton_pipelines.gateway.fallback import Attempt, Fallbacks, fallback_label
 from triton_pipelines.gateway.recorder import BudgetGauges, NullRecorder, SpendRecorder
 from triton_pipelines.gateway.streaming import StreamRelay, blocking
+from triton_pipelines.telemetry import tracing
+from triton_pipelines.telemetry.genai import gateway_answered, gateway_failed, gateway_span, traced_stream
 
 
 @dataclass
@@ -74,6 +76,23 @@ class GatewayAnswer:
     def usage(self) -> dict:
         return {"input_tokens": self.input_tokens, "output_tokens": self.output_tokens,
                 "cost_usd": float(self.cost_usd)}
+
+
+def resolve_model(table: RouteTable, task: str | None, model: str | None, tier: str | None) -> str:
+    """The model a request asks for: its own, or its task's choice by tier (InputError when neither serves)."""
+    if task is not None:
+        route = table.tasks.get(task)
+        if route is None or route.route != "gateway":
+            raise InputError(f"task {task!r} is not a gateway task")
+        chosen = model or choose_model(route, table.prices, tier)
+        if chosen not in route.models:
+            raise InputError(f"model {chosen!r} does not serve task {task} (its models: {', '.join(route.models)})")
+        return chosen
+    if not model:
+        raise InputError("a gateway request names a model or a task")
+    if model not in table.prices:
+        raise InputError(f"unknown model {model!r}; gateway models: {', '.join(sorted(table.prices))}")
+    return model
 
 
 class GatewayService:
@@ -176,21 +195,6 @@ class GatewayService:
             self.ledger.close()
 
     # ----------------------------------------------------------------------------- one request
-    def _resolve(self, task: str | None, model: str | None, tier: str | None) -> str:
-        if task is not None:
-            route = self.table.tasks.get(task)
-            if route is None or route.route != "gateway":
-                raise InputError(f"task {task!r} is not a gateway task")
-            chosen = model or choose_model(route, self.table.prices, tier)
-            if chosen not in route.models:
-                raise InputError(f"model {chosen!r} does not serve task {task} (its models: {', '.join(route.models)})")
-            return chosen
-        if not model:
-            raise InputError("a gateway request names a model or a task")
-        if model not in self.table.prices:
-            raise InputError(f"unknown model {model!r}; gateway models: {', '.join(self.models)}")
-        return model
-
     async def acomplete(self, api_key: ApiKey | None, *, messages: list[dict], task: str | None = None,
                         model: str | None = None, max_tokens: int | None = None, temperature: float | None = None,
                         tier: str | None = None, deadline_s: float | None = None,
@@ -221,9 +225,11 @@ class GatewayService:
                                    temperature=temperature, max_tokens=self.admission.max_tokens(plan, current))
             was_open = breaker.state == "open"
             started = time.monotonic()
+            span = gateway_span(current, limits.name, request_id, routed.max_tokens)  # None unless tracing
             try:
                 completion = await self.client.complete(routed, remaining)
             except RouteError as error:
+                gateway_failed(span, error.reason, str(error))
                 chain = await self.fallbacks.after_failure(error, row, current, chain, attempts, started, was_open,
                                                            task, api_key)
                 last_error = error
@@ -239,6 +245,8 @@ class GatewayService:
                                                 fallback_from=requested if current != requested else None,
                                                 fallback_reason=reason)
             attempts.append(Attempt(current, "success"))
+            gateway_answered(span, current, completion.input_tokens, completion.output_tokens, usd(cost), requested,
+                             reason)
             if current != requested:
                 self.recorder.fallback(requested, current, reason or "unknown")
             self.recorder.spend(limits.name, current, float(usd(cost)))
@@ -252,7 +260,7 @@ class GatewayService:
               max_tokens: int | None, tier: str | None, deadline_s: float | None, request_id: str | None) -> Plan:
         """Who may call which models, within which deadline, reserving how many tokens."""
         check_encodable(messages, "messages")
-        requested = self._resolve(task, model, tier)
+        requested = resolve_model(self.table, task, model, tier)
         self.access.check(api_key, requested)
         settings = self.table.gateway
         budget_s = deadline_s if deadline_s is not None else (
@@ -261,7 +269,7 @@ class GatewayService:
                       if api_key is None or api_key.allows_model(m))
         return Plan(requested, KeyLimits.of(api_key), chain, time.monotonic() + budget_s, budget_s,
                      request_id or uuid.uuid4().hex, estimate_prompt_tokens(messages, settings.image_tokens_estimate),
-                     max_tokens)
+                     max_tokens, tracing.trace_id())  # the caller's trace (its ledger rows name it)
 
     # ----------------------------------------------------------------------------- streaming
     def stream(self, api_key: ApiKey | None, *, messages: list[dict], task: str | None = None,
@@ -306,19 +314,22 @@ class GatewayService:
                                    temperature=temperature, max_tokens=self.admission.max_tokens(plan, current))
             started = time.monotonic()
             was_open = self.client.breaker(current).state == "open"
+            span = gateway_span(current, plan.limits.name, plan.request_id, routed.max_tokens)  # None unless tracing
             try:
                 call = await self.client.open_stream(routed, remaining)
             except RouteError as error:
+                gateway_failed(span, error.reason, str(error))
                 chain = await self.fallbacks.after_failure(error, row, current, chain, attempts, started, was_open,
                                                            task, api_key)
                 last_error = error
                 continue
             except BaseException:  # closed or cancelled before the first chunk (the client left): the
                 # request went out, the figure is unknown: its reservation, now rather than when abandoned
+                gateway_failed(span, "stream_interrupted")
                 await self.admission.settle(row, "failed", cost_nusd=self.admission.reserved(plan, current),
                                             latency_s=time.monotonic() - started, outcome="stream_interrupted")
                 raise
-            relay = self.relay.relay(call, row, plan, current, attempts, started, api_key)
+            relay = traced_stream(span, current, self.relay.relay(call, row, plan, current, attempts, started, api_key))
             try:
                 async for item in relay:
                     yield item

@@ -22,6 +22,9 @@ from triton_pipelines.openai_api.models import ServingModels
 from triton_pipelines.openai_api.replies import error_reply, reply
 from triton_pipelines.openai_api.triton_grpc import Triton
 from triton_pipelines.openai_api.triton_http import TritonHttp
+from triton_pipelines.telemetry import tracing
+from triton_pipelines.telemetry.context import TRACE_ID_HEADER
+from triton_pipelines.telemetry.front import HttpServerSpan
 
 # /v1's own health through the public port, for probes: no key (docs/openai.md).
 HEALTH_PATH = "/v1/health"
@@ -47,6 +50,8 @@ class Frontend:
         from aiohttp import web
 
         app = web.Application(middlewares=[self.middleware], client_max_size=proto.MAX_JSON_BODY_BYTES)
+        if tracing.enabled():
+            app.on_response_prepare.append(trace_id_header)
         app.router.add_get("/v1/models", self.models.models)
         app.router.add_get("/v1/models/{model}", self.models.model)
         app.router.add_post("/v1/embeddings", self.embeddings.embeddings)
@@ -107,7 +112,24 @@ class Frontend:
                 if held:
                     self.request_bytes.give_back(client, held)
                 self.metrics.observe(endpoint, request.get("model"), status, time.perf_counter() - started)
-        return handle
+
+        async def traced(request):
+            """``handle`` inside the request's span (the client's traceparent honoured when well formed)."""
+            if not request.path.startswith("/v1") or request.path == HEALTH_PATH:
+                return await handle(request)
+            route = request.match_info.route.resource.canonical if request.match_info.route.resource else "other"
+            span = HttpServerSpan(request.method, route, request.headers.get("traceparent"),
+                                  request.headers.get("tracestate"))
+            request["trace_id"] = span.trace_id
+            status = 499
+            try:
+                with span.current():
+                    response = await handle(request)
+                status = response.status
+                return response
+            finally:
+                span.end(status)
+        return traced if tracing.enabled() else handle
 
     def api_key(self, authorization: str | None):
         """The key of ``Authorization: Bearer <key>`` (None with keys off), or 401. A key is printable
@@ -131,3 +153,9 @@ class Frontend:
 
     async def health(self, request):
         return reply({"status": "draining" if self.draining else "ok"}, 503 if self.draining else 200)
+
+
+async def trace_id_header(request, response) -> None:
+    """Every /v1 answer names its trace (``x-trace-id``), streamed ones included (before their headers go)."""
+    if request.get("trace_id"):
+        response.headers[TRACE_ID_HEADER] = request["trace_id"]

@@ -12,6 +12,8 @@ import numpy as np
 from triton_pipelines.errors import INPUT_ERROR_PREFIX
 from triton_pipelines.front.screen import restarting_model_message
 from triton_pipelines.openai_api import protocol as proto
+from triton_pipelines.telemetry import tracing
+from triton_pipelines.telemetry.tracing import propagation_headers
 
 
 def triton_error(error: Exception, what: str) -> proto.OpenAIError:
@@ -64,10 +66,11 @@ class Triton:
         loop's next turn, before the awaitable is awaited); failures are tritonclient's
         ``InferenceServerException``, as ``triton_error`` reads them."""
         order = self.order()
-        return self._answer(self.model_infer[order[0]](request, timeout=timeout_s), request, order[1:], timeout_s,
-                            fp32)
+        metadata = tuple(propagation_headers()) or None if tracing.enabled() else None  # the caller's span
+        return self._answer(self.model_infer[order[0]](request, timeout=timeout_s, metadata=metadata), request,
+                            order[1:], timeout_s, fp32, metadata)
 
-    async def _answer(self, call, request, others: list[int], timeout_s: float, fp32: str | None):
+    async def _answer(self, call, request, others: list[int], timeout_s: float, fp32: str | None, metadata=None):
         while True:
             try:
                 response = await call
@@ -78,7 +81,7 @@ class Triton:
             # a replica that is restarting, or whose model lost its stub: the next one may serve
             if not others or ("UNAVAILABLE" not in error.status() and not restarting_model_message(str(error))):
                 raise error
-            call = self.model_infer[others.pop(0)](request, timeout=timeout_s)
+            call = self.model_infer[others.pop(0)](request, timeout=timeout_s, metadata=metadata)
 
     def stream(self, model: str, inputs: list, parameters: dict, timeout_s: float):
         """One request on a ModelStreamInfer stream → (call, async iterator of (result, error)); the
@@ -90,7 +93,8 @@ class Triton:
             await done.wait()
 
         client = self.clients[self.order()[0]]
-        call = client.stream_infer(requests(), stream_timeout=timeout_s)
+        headers = dict(propagation_headers()) or None if tracing.enabled() else None  # the caller's span
+        call = client.stream_infer(requests(), stream_timeout=timeout_s, headers=headers)
         return call, done
 
     async def close(self):

@@ -12,6 +12,8 @@ import numpy as np
 
 from triton_pipelines.front.screen import restarting_model_message
 from triton_pipelines.http1 import Upstream, read_body, read_head
+from triton_pipelines.telemetry import tracing
+from triton_pipelines.telemetry.tracing import propagation_headers
 from triton_pipelines.openai_api import protocol as proto
 
 
@@ -46,11 +48,12 @@ class TritonHttp:
                             separators=(",", ":")).encode()
         start = next(self.turn)
         error = None
+        trace = "".join(f"{k}: {v}\r\n" for k, v in propagation_headers()) if tracing.enabled() else ""
         for i in range(len(self.upstreams)):
             index = (start + i) % len(self.upstreams)
             head = (f"POST /v2/models/{quote(model, safe='')}/infer HTTP/1.1\r\nHost: {self.addresses[index]}\r\n"
                     f"Content-Type: application/octet-stream\r\nInference-Header-Content-Length: {len(header)}\r\n"
-                    f"Content-Length: {len(header) + len(raw)}\r\n\r\n").encode()
+                    f"Content-Length: {len(header) + len(raw)}\r\n{trace}\r\n").encode()
             try:
                 status, headers, body = await asyncio.wait_for(
                     self._exchange(self.upstreams[index], head + header + raw), timeout_s)

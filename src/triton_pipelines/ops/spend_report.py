@@ -4,6 +4,7 @@ key's budget.
     python -m triton_pipelines spend                         # table: spend by key, model, day; budgets
     python -m triton_pipelines spend --by key --since 2026-12-01 --format csv
     python -m triton_pipelines spend --format json --keys-file keys.yaml
+    python -m triton_pipelines spend --calls 20                # the last 20 calls, with their trace ids
 
 The ledger: ``--database`` or ``$SPEND_DATABASE_URL``, else ``spend.db`` in the launcher's state
 folder (``--state-dir``, ``$TRITON_STATE_DIR`` or ``.triton/8000``). Budgets need the keys file
@@ -30,6 +31,18 @@ from triton_pipelines.gateway.ledger import KeyLimits, SpendLedger, usd
 from triton_pipelines.gateway.ledger_db import database_url, redacted_url
 
 GROUPS = ("key", "model", "task", "day", "status")
+# What --calls shows of each of the last calls: its trace id leads to its trace (docs/operations.md).
+CALL_COLUMNS = ("request_id", "trace_id", "key_name", "task", "model", "status", "input_tokens", "output_tokens",
+                "cost_usd", "latency_s", "outcome", "started_at")
+
+
+def recent_calls(ledger: SpendLedger, count: int) -> list[dict]:
+    """The ledger's last ``count`` rows (one per attempt), oldest first."""
+    rows = ledger.rows("WHERE id > (SELECT COALESCE(MAX(id), 0) FROM spend_log) - ?", (count,))
+    for row in rows:
+        row["cost_usd"] = usd(int(row["cost_nusd"] or 0))
+        row["started_at"] = _when(row["started_at"])
+    return [{name: row.get(name) for name in CALL_COLUMNS} for row in rows]
 
 
 def _day(text: str) -> float:
@@ -94,7 +107,7 @@ def render(report: dict, fmt: str) -> str:
         return json.dumps(report, indent=2, default=lambda v: str(v) if isinstance(v, Decimal) else v) + "\n"
     if fmt == "csv":
         out = io.StringIO()
-        for name in ("spend", "budgets"):
+        for name in ("spend", "budgets", "calls"):
             rows = report.get(name) or []
             if not rows:
                 continue
@@ -106,6 +119,8 @@ def render(report: dict, fmt: str) -> str:
     text = f"spend ({report['database']})\n" + table(report["spend"])
     if report.get("budgets") is not None:
         text += "\nbudgets\n" + table(report["budgets"])
+    if report.get("calls") is not None:
+        text += "\ncalls\n" + table(report["calls"])
     return text
 
 
@@ -120,6 +135,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--since", type=_day, help="first day (YYYY-MM-DD, UTC)")
     parser.add_argument("--until", type=_day, help="day after the last (YYYY-MM-DD, UTC)")
     parser.add_argument("--format", choices=("table", "csv", "json"), default="table")
+    parser.add_argument("--calls", type=int, default=0, metavar="N",
+                        help="also the last N calls, each with its request id and trace id")
     args = parser.parse_args(argv)
     state_dir = resolve_state_dir(args.state_dir)
     url = args.database or database_url(state_dir)
@@ -135,7 +152,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         ledger.reap()  # reservations past their deadline count as abandoned, at their reserved cost
         report = {"database": redacted_url(url), "spend": ledger.summary(groups, args.since, args.until),
-                  "budgets": budgets(ledger, KeyRing.load(keys_path)) if keys_path else None}
+                  "budgets": budgets(ledger, KeyRing.load(keys_path)) if keys_path else None,
+                  "calls": recent_calls(ledger, args.calls) if args.calls > 0 else None}
     finally:
         ledger.close()
     sys.stdout.write(render(report, args.format))

@@ -63,6 +63,8 @@ from triton_pipelines.server.state import KEY_FILE, STATE_FILE, ServerState, pri
 from triton_pipelines.server.status import LauncherMetrics, StatusServer
 from triton_pipelines.server.stub_watchdog import StubWatchdog
 from triton_pipelines.server.warmup import warm_replica, warm_replicas
+from triton_pipelines.errors import ConfigError
+from triton_pipelines.telemetry.tracing import TraceSettings
 # Re-exported: tests, benchmarks and tools import these from the launcher.
 from triton_pipelines.server.tritonserver import (DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, DEFAULT_METRICS_PORT,  # noqa: F401
                            LOOPBACK, METRICS_CONFIG, PYTHON_BACKEND_CONFIG, READY_TIMEOUT_ENV, READY_TIMEOUT_S,
@@ -106,6 +108,7 @@ class Launcher:
         self.stdout, self.stderr = stdout, stderr
         # Our log lines go where the server's do (a log file in tests, the terminal otherwise).
         self._log_fd = stderr.fileno() if hasattr(stderr, "fileno") else sys.stderr.fileno()
+        check_tracing()
         embedded = options.tritonserver is None
         if not embedded and options.backend_dir is None:
             raise ValueError("--tritonserver needs --backend-dir (the server's own backends)")
@@ -177,6 +180,7 @@ class Launcher:
             shm_prefix=first.shm_prefix).write(self.state_dir)
         self.supervisor = threading.Thread(target=self._supervise, name="supervisor", daemon=True)
         log_model_table(options.model_repository, self.log)  # what each compute model serves, from which weights
+        log_tracing(self.log)
 
     def log(self, message: str) -> None:
         os.write(self._log_fd, f"[launcher] {message}\n".encode())
@@ -377,6 +381,21 @@ def start_on_free_ports(model_repository: Path, log_path: Path, extra_args: list
         sys.stderr.write(log_path.read_text(errors="replace")[-5000:])
         raise
     return server
+
+
+def check_tracing() -> None:
+    """A bad OTEL_* variable, named in one line before anything starts (ConfigError)."""
+    try:
+        TraceSettings.from_environment()
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+
+
+def log_tracing(log) -> None:
+    settings = TraceSettings.from_environment()
+    if settings is not None:
+        log(f"tracing: OTLP/HTTP to {settings.traces_url}, sampler {settings.sampler} (ratio {settings.ratio:g}), "
+            f"service {settings.service_name} (docs/operations.md, \"Tracing\")")
 
 
 def log_model_table(model_repository: Path, log) -> None:

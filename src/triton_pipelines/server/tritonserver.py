@@ -18,6 +18,7 @@ from triton_pipelines.server.control import restricted_api_flags
 from triton_pipelines.repository.contract import PYTHON_BACKEND_SHM_CONFIG
 from triton_pipelines.front.nginx_config import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_JSON_BYTES
 from triton_pipelines.server.state import DEFAULT_HTTP_PORT
+from triton_pipelines.telemetry.tracing import TraceSettings
 
 DEFAULT_GRPC_PORT = 8001
 DEFAULT_METRICS_PORT = 8002
@@ -157,7 +158,15 @@ def server_command(options: ServerOptions, internal: InternalPorts, key: str, sh
     command += [f"--backend-config=python,{setting}" for setting in backend_config]
     command += [f"--metrics-config={setting}" for setting in METRICS_CONFIG]
     command += response_cache_flags(options)
+    command += trace_flags()
     return command + list(options.extra_args)
+
+
+def trace_flags() -> list[str]:
+    """tritonserver's OpenTelemetry mode when ``$OTEL_EXPORTER_OTLP_ENDPOINT`` is set (``telemetry/tracing.py``:
+    it traces the requests the front passes a context, and the stubs' BLS calls within them); none else."""
+    settings = TraceSettings.from_environment()
+    return [] if settings is None else settings.triton_flags()
 
 
 def response_cache_flags(options: ServerOptions) -> list[str]:

@@ -13,6 +13,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from triton_pipelines.errors import INPUT_ERROR_PREFIX, RouteError, UpstreamError
+from triton_pipelines.stub.tracing import bls_span, bls_trace
 
 
 # Messages of Triton's own refusals (2.51) that mean "not now" rather than "broken".
@@ -49,13 +50,16 @@ def bls_outputs(response, target: str, names: Sequence[str]) -> dict[str, np.nda
 
 async def call_async(target: str, inputs: Mapping[str, np.ndarray], outputs: Sequence[str]) -> dict[str, np.ndarray]:
     """One request to ``target`` without blocking the caller's event loop (the router's calls)."""
+    trace = bls_trace()  # the request's trace, when traced: Triton's spans of the callee join it
     request = pb_utils.InferenceRequest(model_name=target, requested_output_names=list(outputs),
-                                        inputs=[pb_utils.Tensor(name, array) for name, array in inputs.items()])
-    try:
-        response = await request.async_exec()
-    except pb_utils.TritonModelException as error:
-        raise RouteError("upstream_error", f"model {target}: {error}") from None
-    return bls_outputs(response, target, outputs)
+                                        inputs=[pb_utils.Tensor(name, array) for name, array in inputs.items()],
+                                        **({"trace": trace} if trace is not None else {}))
+    with bls_span(target):
+        try:
+            response = await request.async_exec()
+        except pb_utils.TritonModelException as error:
+            raise RouteError("upstream_error", f"model {target}: {error}") from None
+        return bls_outputs(response, target, outputs)
 
 
 def call(model: str, inputs: Sequence, outputs: Sequence[str], cpu_outputs: bool = False,
@@ -65,9 +69,13 @@ def call(model: str, inputs: Sequence, outputs: Sequence[str], cpu_outputs: bool
     kwargs = {"parameters": dict(parameters)} if parameters else {}
     if cpu_outputs:
         kwargs["preferred_memory"] = pb_utils.PreferredMemory(pb_utils.TRITONSERVER_MEMORY_CPU, 0)
+    trace = bls_trace()  # the request's trace, when traced (stub/tracing.py)
+    if trace is not None:
+        kwargs["trace"] = trace
     request = pb_utils.InferenceRequest(model_name=model, inputs=list(inputs), requested_output_names=list(outputs),
                                         **kwargs)
-    response = request.exec()
+    with bls_span(model):
+        response = request.exec()
     if response.has_error():
         raise UpstreamError(f"{model} failed: {response.error().message()}")
     return {tensor.name(): tensor for tensor in response.output_tensors()}

@@ -15,6 +15,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from triton_pipelines.errors import INPUT_ERROR_PREFIX, InputError, RequestCancelled, error_kind
+from triton_pipelines.stub import tracing
 
 
 Outputs = Mapping[str, np.ndarray]  # output name → array (the request's rows)
@@ -62,6 +63,17 @@ def respond(requests: Sequence, parse: Callable[[Any], Any],
     and ``run(works)`` does the work of every parsed request together (one batch), returning per
     work its outputs or the exception that fails that request alone; an exception raised by
     ``run`` fails every one of them (message prefixed by ``failure``), not the stub."""
+    traced = tracing.begin(requests)  # None unless tracing: a span per traced request (stub/tracing.py)
+    responses: list = []
+    try:
+        responses = _respond(requests, parse, run, failure)
+        return responses
+    finally:
+        if traced is not None:
+            traced.end(responses)
+
+
+def _respond(requests: Sequence, parse, run, failure: str) -> list:
     responses: list = [None] * len(requests)
     parsed = {}
     for index, request in enumerate(requests):

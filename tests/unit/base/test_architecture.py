@@ -12,7 +12,7 @@ from tests.support.paths import PROJECT_ROOT
 
 PACKAGE = PROJECT_ROOT / "src" / "triton_pipelines"
 # Bottom to top. The package's top-level modules are the base; ``__main__`` (the CLI) is above all.
-LAYERS = ("repository", "gateway", "pipelines", "stub", "front", "openai_api", "server", "ops")
+LAYERS = ("telemetry", "repository", "gateway", "pipelines", "stub", "front", "openai_api", "server", "ops")
 MAX_TOP_LEVEL_MODULES = 8
 MAX_MODULE_LINES, MAX_CLASS_LINES, MAX_FUNCTION_LINES = 600, 250, 80
 

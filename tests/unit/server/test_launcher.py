@@ -161,3 +161,24 @@ def test_the_response_cache_is_on_by_default_sized_by_flag_or_environment_and_of
     monkeypatch.setenv(RESPONSE_CACHE_ENV, "lots")
     with pytest.raises(ConfigError, match=f"\\${RESPONSE_CACHE_ENV}='lots' must be a whole number"):
         serve_cli.parse_options(["--model-repository", repository])
+
+
+def test_tritonserver_traces_only_when_an_otlp_endpoint_is_set(monkeypatch):
+    def command():
+        return server_command(ServerOptions(model_repository=Path("repo"), backend_dir=Path("b")),
+                              InternalPorts(11, 12, 13), key="k" * 20, shm_prefix="p_")
+
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", raising=False)
+    assert not [flag for flag in command() if flag.startswith("--trace-config")]
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4318")
+    flags = [flag for flag in command() if flag.startswith("--trace-config")]
+    assert "--trace-config=mode=opentelemetry" in flags and "--trace-config=rate=0" in flags
+    assert "--trace-config=opentelemetry,url=http://collector:4318/v1/traces" in flags
+
+
+def test_a_bad_otel_variable_is_one_line_before_anything_starts(monkeypatch):
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4318")
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", "2")
+    with pytest.raises(ConfigError, match="OTEL_TRACES_SAMPLER_ARG"):
+        launcher.check_tracing()
