@@ -28,7 +28,7 @@ class WhisperBls:
         keep_freed_heap(p)
         self.encoder_model, self.decoder_model = p["encoder_model"], p["decoder_model"]
         self.defaults = {"default_language": p["default_language"], "default_task": p["default_task"],
-                         "default_max_new_tokens": int(p["max_new_tokens"])}
+                         "default_timestamps": p["default_timestamps"], "default_max_new_tokens": int(p["max_new_tokens"])}
         self.encoder_batch = int(p["encoder_max_batch_size"])
         caches_cross = p.get("decoder_input_cache", "false") == "true"
         self.group_size = decode_group_size(int(p["decoder_max_batch_size"]), self.encoder_batch)

@@ -297,6 +297,10 @@ def test_the_stable_prefix_follows_windows_in_order():
 
 class FakeTokenizer:
     eot = 100
+    timestamp_begin = 150
+
+    def language_code(self, token):
+        return f"l{token}"
 
     def decode(self, ids):
         return "".join(f" w{i}" for i in ids)
@@ -325,7 +329,7 @@ def job(*window_ids, partials=True):
     features = np.zeros((len(window_ids), 1, 1), np.float32)
     features[:, 0, 0] = window_ids
     spans = [(30.0 * i, 30.0 * (i + 1)) for i in range(len(window_ids))]
-    return StreamJob(features, spans, [1, 2, 3, 4], 50, partials)
+    return StreamJob(features, spans, np.array([[1, 2, 3, 4]] * len(window_ids)), 50, partials)
 
 
 def run_stream(jobs, script, group_size=64, cancelled=lambda i: False):
