@@ -136,19 +136,21 @@ def test_word_error_rate_per_clip_language_and_overall(corpus_results):
 
 
 def test_decoding_stops_at_end_of_text(client, triton_server, clips):
-    """One clip alone: the decoder runs one step per generated token plus the step that chose
-    <|endoftext|>, far below max_new_tokens (random weights would run all 224)."""
+    """One clip alone, its language detected: the decoder runs once over <|startoftranscript|>
+    (the language), once over the rest of the prompt, then one step per generated token; the step
+    that chose <|endoftext|> is the last, far below max_new_tokens (random weights would run all
+    224)."""
     stats = TritonClient("http", triton_server.http_url)
     try:
         before = stats.statistics("whisper_decoder")["model_stats"][0]
         out = client.infer(MODEL, {"audio": text_tensor([clips[0]])})
         tokens = [t for t in out["token_ids"][0] if t >= 0]
         # the decoder's last step is recorded after execute returns: wait for it, then count exactly
-        after = statistics_after(stats, "whisper_decoder", before, len(tokens) + 1, timeout_s=10)
+        after = statistics_after(stats, "whisper_decoder", before, len(tokens) + 2, timeout_s=10)
     finally:
         stats.close()
-    assert 5 <= len(tokens) < 40
-    assert int(after["inference_count"]) - int(before["inference_count"]) == len(tokens) + 1
+    assert 5 <= len(tokens) < 40 and out["language"][0, 0].decode() == "en"
+    assert int(after["inference_count"]) - int(before["inference_count"]) == len(tokens) + 2
     assert word_errors(CORPUS[0].text, out["transcript"][0, 0].decode()).wer <= MAX_CLIP_WER_ENGLISH
 
 

@@ -167,6 +167,29 @@ def test_bad_transcription_fields_name_the_field(fields, param):
     assert error.status == 400 and error.param == param
 
 
+def test_timestamp_granularities_as_openai_takes_them():
+    """One part per value (``timestamp_granularities[]``, kept a line each by the multipart reader);
+    only with verbose_json; the formats with times are decoded with timestamp tokens."""
+    def granularities(**fields):
+        return transcripts.parse_granularities(fields, fields.get("response_format", "json"))
+
+    assert granularities(response_format="verbose_json") == ("segment",)
+    assert granularities(response_format="verbose_json", **{"timestamp_granularities[]": "segment"}) == ("segment",)
+    assert transcription(response_format="srt").timestamps and not transcription(response_format="json").timestamps
+    for fields, message in (({"timestamp_granularities[]": "segment"}, "needs response_format verbose_json"),
+                            ({"timestamp_granularities[]": "sentence", "response_format": "verbose_json"},
+                             "must be segment or word"),
+                            ({"timestamp_granularities[]": "segment\nword", "response_format": "verbose_json"},
+                             "'word' is not supported")):
+        error = error_of(granularities, **fields)
+        assert error.status == 400 and error.param == "timestamp_granularities[]" and message in error.message, error
+
+
+def test_verbose_json_names_a_detected_language_and_leaves_out_segments_not_asked_for():
+    verbose = json.loads(transcripts.format_transcript("verbose_json", "x", SEGMENTS, "transcribe", "ht", 1, ())[0])
+    assert verbose["language"] == "haitian creole" and "segments" not in verbose
+
+
 def test_a_missing_or_empty_file_is_400():
     for size in (None, 0):
         error = error_of(proto.parse_transcription, {"model": "speech_recognition"}, "a.wav", size, "transcribe",

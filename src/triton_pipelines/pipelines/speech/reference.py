@@ -38,6 +38,15 @@ class WhisperOnnx:
         decoder = GreedyDecoder(tokenizer, self.shape.vocab_size, self.step)
         return decoder.decode(prompts, max_new_tokens, cross, self.shape.heads, self.shape.head_dim)
 
+    def detect_language(self, cross: Mapping[str, np.ndarray], tokenizer: WhisperTokenizer) -> list[str]:
+        """Each window's language, as openai-whisper's ``detect_language``: one decoder run over
+        ``<|startoftranscript|>`` alone, the argmax of the language tokens' logits."""
+        rows = len(cross["cross_key_0"])
+        past = np.zeros((rows, 2 * self.shape.layers, self.shape.heads, 0, self.shape.head_dim), np.float32)
+        logits, _ = self.step(np.full((rows, 1), tokenizer.sot, np.int64), past, cross, {})
+        chosen = np.argmax(logits + tokenizer.language_mask(self.shape.vocab_size), axis=-1)
+        return [tokenizer.language_code(int(token)) for token in chosen]
+
     def step(self, input_ids: np.ndarray, past: np.ndarray, cross: Mapping[str, np.ndarray],
              parameters: Mapping[str, str]) -> tuple[np.ndarray, np.ndarray]:
         logits, present = self.decoder.run(["logits", "present_self_kv"],

@@ -53,13 +53,15 @@ class StreamJob:
 
 
 def stream_outputs(transcript: str, delta: str, final: bool, segments: str = "[]",
-                   language: str = "") -> dict[str, np.ndarray]:
-    """One response of ``speech_recognition_stream`` (a batch of one item)."""
+                   language: str = "", duration: float = 0.0) -> dict[str, np.ndarray]:
+    """One response of ``speech_recognition_stream`` (a batch of one item); ``duration``: the
+    clip's length in seconds (the end of its last window; final responses only)."""
     return {"transcript": np.array([[transcript.encode()]], dtype=np.object_),
             "delta": np.array([[delta.encode()]], dtype=np.object_),
             "is_final": np.array([[final]], dtype=bool),
             "segments": np.array([[segments.encode()]], dtype=np.object_),
-            "language": np.array([[language.encode()]], dtype=np.object_)}
+            "language": np.array([[language.encode()]], dtype=np.object_),
+            "duration": np.array([[duration]], dtype=np.float32)}
 
 
 class StreamDecode:
@@ -118,8 +120,9 @@ class StreamDecode:
             transcript = " ".join(t for t in texts if t)
             segments = segments_json(self.tokenizer, self.tokens[a:b], self.jobs[index].spans)
             language = item_languages(self.tokenizer, prompts[a:b], [b - a])[0]
+            duration = self.jobs[index].spans[-1][1] if self.jobs[index].spans else 0.0
             self.send(index, stream_outputs(transcript, text_delta(self.sent[index], transcript), True, segments,
-                                            language), True)
+                                            language, duration), True)
 
     def _step(self, offset: int, state: "GreedyBatch") -> None:
         count = len(state.tokens)
