@@ -41,7 +41,8 @@ class ServingAudio:
             inputs.append(bytes_input(grpcclient, "language", [parsed.language.encode()]))
         inputs.append(bytes_input(grpcclient, "task", [task.encode()]))
         if parsed.timestamps:
-            inputs.append(bytes_input(grpcclient, "timestamps", [b"segment"]))
+            mode = b"word" if "word" in granularities else b"segment"
+            inputs.append(bytes_input(grpcclient, "timestamps", [mode]))
         call, done = self.triton.stream(STREAM_MODEL, inputs, {"partials": parsed.stream}, SPEECH_TIMEOUT_S)
         endpoint = request.path
         try:

@@ -20,11 +20,10 @@ class Segment:
     end: float
     text: str
     tokens: tuple[int, ...] = ()
+    words: tuple[dict, ...] = ()  # [{word, start, end}] where word times were asked for
 
 
 TIMESTAMP_GRANULARITIES = ("segment", "word")
-# What this server computes of them (word times need the alignment heads: not served yet).
-SERVED_GRANULARITIES = ("segment",)
 
 
 def parse_granularities(fields: Mapping[str, str], response_format: str) -> tuple[str, ...]:
@@ -38,8 +37,6 @@ def parse_granularities(fields: Mapping[str, str], response_format: str) -> tupl
     for value in values:
         if value not in TIMESTAMP_GRANULARITIES:
             raise invalid(f"'{field}' values must be {' or '.join(TIMESTAMP_GRANULARITIES)}, not {value!r}", field)
-        if value not in SERVED_GRANULARITIES:
-            raise invalid(f"'{field}' {value!r} is not supported by this server (segment timestamps are)", field)
     if values and response_format != "verbose_json":
         raise invalid(f"'{field}' needs response_format verbose_json, not {response_format}", field)
     return values or ("segment",)
@@ -57,7 +54,7 @@ def format_transcript(response_format: str, text: str, segments: Sequence[Segmen
                       language: str, duration: float, granularities: Sequence[str] = ("segment",)) -> tuple[str, str]:
     """(body, content type) of a transcript in ``response_format``; verbose_json's ``language`` is
     the language's English name (OpenAI's ``english``), its ``segments`` there with ``segment`` in
-    ``granularities``."""
+    ``granularities``, its ``words`` ([{word, start, end}], the segments' words) with ``word``."""
     if response_format == "json":
         return json.dumps({"text": text}), "application/json"
     if response_format == "text":
@@ -71,6 +68,9 @@ def format_transcript(response_format: str, text: str, segments: Sequence[Segmen
                                  "end": round(s.end, 3), "text": s.text, "tokens": list(s.tokens), "temperature": 0.0,
                                  "avg_logprob": None, "compression_ratio": None, "no_speech_prob": None}
                                 for i, s in enumerate(shown)]
+        if "word" in granularities:
+            body["words"] = [{"word": w["word"].strip(), "start": w["start"], "end": w["end"]}
+                             for s in shown for w in s.words if w["word"].strip()]
         return json.dumps(body), "application/json"
     if response_format == "srt":
         blocks = [f"{i + 1}\n{_timestamp(s.start, ',')} --> {_timestamp(s.end, ',')}\n{s.text}\n"
@@ -84,7 +84,9 @@ def format_transcript(response_format: str, text: str, segments: Sequence[Segmen
 
 def parse_segments(raw: bytes | str) -> list[Segment]:
     """The ``segments`` output of ``speech_recognition_stream`` (JSON list of {start, end, text, tokens})."""
-    return [Segment(float(s["start"]), float(s["end"]), str(s["text"]), tuple(int(t) for t in s.get("tokens", ())))
+    return [Segment(float(s["start"]), float(s["end"]), str(s["text"]), tuple(int(t) for t in s.get("tokens", ())),
+                    tuple({"word": str(w["word"]), "start": float(w["start"]), "end": float(w["end"])}
+                          for w in s.get("words", ())))
             for s in json.loads(raw)]
 
 

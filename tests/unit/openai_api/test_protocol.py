@@ -175,19 +175,34 @@ def test_timestamp_granularities_as_openai_takes_them():
 
     assert granularities(response_format="verbose_json") == ("segment",)
     assert granularities(response_format="verbose_json", **{"timestamp_granularities[]": "segment"}) == ("segment",)
+    assert granularities(response_format="verbose_json", **{"timestamp_granularities[]": "word\nsegment"}) == \
+        ("word", "segment")
     assert transcription(response_format="srt").timestamps and not transcription(response_format="json").timestamps
     for fields, message in (({"timestamp_granularities[]": "segment"}, "needs response_format verbose_json"),
                             ({"timestamp_granularities[]": "sentence", "response_format": "verbose_json"},
                              "must be segment or word"),
-                            ({"timestamp_granularities[]": "segment\nword", "response_format": "verbose_json"},
-                             "'word' is not supported")):
+                            ({"timestamp_granularities[]": "word", "response_format": "srt"},
+                             "needs response_format verbose_json")):
         error = error_of(granularities, **fields)
         assert error.status == 400 and error.param == "timestamp_granularities[]" and message in error.message, error
 
 
 def test_verbose_json_names_a_detected_language_and_leaves_out_segments_not_asked_for():
     verbose = json.loads(transcripts.format_transcript("verbose_json", "x", SEGMENTS, "transcribe", "ht", 1, ())[0])
-    assert verbose["language"] == "haitian creole" and "segments" not in verbose
+    assert verbose["language"] == "haitian creole" and "segments" not in verbose and "words" not in verbose
+
+
+def test_verbose_json_words_are_the_segments_words_as_openai_lists_them():
+    raw = json.dumps([{"start": 0, "end": 1.5, "text": "Hi there.", "tokens": [1, 2],
+                       "words": [{"word": " Hi", "start": 0.0, "end": 0.4}, {"word": " there.", "start": 0.4, "end": 1.5}]},
+                      {"start": 2.0, "end": 3.0, "text": "Bye.", "tokens": [3],
+                       "words": [{"word": " Bye.", "start": 2.1, "end": 2.9}]}])
+    segments = transcripts.parse_segments(raw)
+    verbose = json.loads(transcripts.format_transcript("verbose_json", "Hi there. Bye.", segments, "transcribe", "en",
+                                                       3.0, ("word",))[0])
+    assert verbose["words"] == [{"word": "Hi", "start": 0.0, "end": 0.4}, {"word": "there.", "start": 0.4, "end": 1.5},
+                                {"word": "Bye.", "start": 2.1, "end": 2.9}]
+    assert "segments" not in verbose  # only word asked for, as OpenAI answers
 
 
 def test_a_missing_or_empty_file_is_400():

@@ -168,3 +168,110 @@ def test_segments_follow_the_timestamp_pairs_within_the_window(tokenizer):
     assert [(s.start, s.end, s.text) for s in plain] == [(0.0, 4.0, "No times.")]
     assert window_segments([ts(tokenizer, 0.0), ts(tokenizer, 1.0)], (0.0, 2.0), tokenizer.timestamp_begin,
                            tokenizer.decode) == []
+
+
+# --- word timestamps: DTW over the alignment heads' cross-attention -------------------------------
+def reference_dtw(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """openai-whisper's dtw_cpu and backtrace, written out cell by cell."""
+    rows, cols = x.shape
+    cost = np.ones((rows + 1, cols + 1), dtype=np.float32) * np.inf
+    trace = -np.ones((rows + 1, cols + 1), dtype=np.float32)
+    cost[0, 0] = 0
+    for j in range(1, cols + 1):
+        for i in range(1, rows + 1):
+            c0, c1, c2 = cost[i - 1, j - 1], cost[i - 1, j], cost[i, j - 1]
+            if c0 < c1 and c0 < c2:
+                c, t = c0, 0
+            elif c1 < c0 and c1 < c2:
+                c, t = c1, 1
+            else:
+                c, t = c2, 2
+            cost[i, j] = x[i - 1, j - 1] + c
+            trace[i, j] = t
+    i, j = rows, cols
+    trace[0, :], trace[:, 0] = 2, 1
+    path = []
+    while i > 0 or j > 0:
+        path.append((i - 1, j - 1))
+        if trace[i, j] == 0:
+            i, j = i - 1, j - 1
+        elif trace[i, j] == 1:
+            i -= 1
+        else:
+            j -= 1
+    result = np.array(path)[::-1].T
+    return result[0], result[1]
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (3, 40), (12, 97), (30, 31), (5, 5)])
+def test_dtw_takes_openai_whispers_path(shape):
+    from triton_pipelines.pipelines.speech.words import dtw
+
+    rng = np.random.default_rng(shape[0] * 100 + shape[1])
+    x = rng.standard_normal(shape).astype(np.float32)
+    for matrix in (x, np.round(x)):  # with ties too
+        ours, theirs = dtw(matrix), reference_dtw(matrix)
+        assert ours[0].tolist() == theirs[0].tolist() and ours[1].tolist() == theirs[1].tolist()
+
+
+def test_median_filter_is_torchs_reflect_padded_median():
+    import torch
+    import torch.nn.functional as F
+
+    from triton_pipelines.pipelines.speech.words import median_filter
+
+    x = np.random.default_rng(3).standard_normal((2, 6, 50)).astype(np.float32)
+    padded = F.pad(torch.from_numpy(x), (3, 3, 0, 0), mode="reflect")
+    expected = padded.unfold(-1, 7, 1).sort()[0][..., 3].numpy()
+    np.testing.assert_allclose(median_filter(x, 7), expected, rtol=0, atol=0)
+
+
+def test_words_split_at_spaces_and_punctuation(tokenizer):
+    from triton_pipelines.pipelines.speech.words import split_words
+
+    tokens = tokenizer.encode(" Hello, wonderful world.")
+    words, ids = split_words([*tokens, tokenizer.eot], tokenizer.encoding.decode, tokenizer.eot, "en")
+    assert words == [" Hello", ",", " wonderful", " world", ".", "<|endoftext|>"]
+    assert sum(ids, []) == [*tokens, tokenizer.eot]
+
+
+def test_find_alignment_follows_the_attention_in_time(tokenizer):
+    """Synthetic alignment heads attending to frame 25·k at text token k (0.5 s a token): the words
+    start where their first token's attention is, within the clip's frames."""
+    from triton_pipelines.pipelines.speech.words import find_alignment
+
+    text = tokenizer.encode(" one two three four")
+    positions = 4 + len(text) + 1  # prompt + <|notimestamps|>, text, <|endoftext|>
+    weights = np.full((2, positions, 1500), 1e-6, np.float32)
+    for k in range(len(text) + 1):  # the row before token k predicts it
+        weights[:, 3 + k, 25 * k:25 * k + 25] = 1.0
+    weights /= weights.sum(axis=-1, keepdims=True)
+    timings = find_alignment(weights, text, int(3.0 * 16000), tokenizer.encoding.decode, tokenizer.eot, "en")
+    assert [t.word for t in timings] == [" one", " two", " three", " four"]
+    assert [t.start for t in timings] == pytest.approx([0.0, 0.5, 1.0, 1.5], abs=0.05)
+    assert [t.end for t in timings] == pytest.approx([0.5, 1.0, 1.5, 2.0], abs=0.05)
+
+
+def test_the_decoder_aligns_the_word_windows_in_one_more_call(tokenizer):
+    """A window with WORDS_SLOT: after its <|endoftext|>, one call feeds its whole aligned sequence
+    (prompt, <|notimestamps|>, text without timestamps, <|endoftext|>) and asks for the weights."""
+    from triton_pipelines.pipelines.speech.words import AlignedTokens
+
+    text, calls, aligned = 700, [], []
+
+    def step(input_ids, past, cross, parameters):
+        calls.append(input_ids.shape[1])
+        script = [ts(tokenizer, 0.0), text, ts(tokenizer, 0.5), tokenizer.eot]
+        present = np.zeros((len(input_ids), 2, 1, past.shape[3] + input_ids.shape[1], 1), np.float32)
+        return one_hot([script[min(len(calls) - 1, 3)]] * len(input_ids)) * 20 - 100.0, present  # the rest unlikely
+
+    def align(input_ids, past, cross, parameters):
+        aligned.append(input_ids.tolist())
+        return np.ones((len(input_ids), 3, input_ids.shape[1], 1500), np.float32)
+
+    cross = {name: np.zeros((1, 1, 1, 1), np.float32) for name in cross_names(1)}
+    prompts = np.array([tokenizer.prompt_row("en", timestamps="word")], dtype=np.int64)
+    tokens = GreedyDecoder(tokenizer, VOCAB, step, align=align).decode(prompts, 10, cross, heads=1, head_dim=1)
+    assert tokens == [[ts(tokenizer, 0.0), text, ts(tokenizer, 0.5)]] and isinstance(tokens[0], AlignedTokens)
+    assert aligned == [[[*prompts[0, :3].tolist(), tokenizer.no_timestamps, text, tokenizer.eot]]]
+    assert tokens[0].weights.shape == (3, 6, 1500)

@@ -61,8 +61,9 @@ TASKS = ("transcribe", "translate")
 AUTO_LANGUAGE = "auto"
 DEFAULT_LANGUAGE = AUTO_LANGUAGE
 # Timestamps per request (input "timestamps"): none (the <|notimestamps|> prompt, the default),
-# segment (Whisper's timestamp tokens: segments with real times).
-TIMESTAMP_MODES = ("none", "segment")
+# segment (Whisper's timestamp tokens: segments with real times), word (segments, and each word's
+# times from the alignment heads' cross-attention: one decoder call more per window).
+TIMESTAMP_MODES = ("none", "segment", "word")
 DEFAULT_TIMESTAMPS = "none"
 DEFAULT_TASK = "transcribe"
 DEFAULT_MAX_NEW_TOKENS = 224

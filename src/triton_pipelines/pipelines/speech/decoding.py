@@ -23,7 +23,8 @@ import numpy as np
 from triton_pipelines.errors import UpstreamError
 from triton_pipelines.pipelines.onnx_runner import NOT_CACHED
 from triton_pipelines.pipelines.speech.timestamps import TimestampRules
-from triton_pipelines.pipelines.speech.tokenizer import TIMESTAMPS_SLOT, WhisperTokenizer, detect_from
+from triton_pipelines.pipelines.speech.tokenizer import TIMED_SLOTS, WORDS_SLOT, WhisperTokenizer, detect_from
+from triton_pipelines.pipelines.speech.words import AlignedTokens, alignment_sequence
 
 
 @dataclass
@@ -74,7 +75,7 @@ class GreedyBatch:
         self._bounds = np.broadcast_to(np.asarray(self.max_new_tokens, dtype=np.int64), (count,))
         self._finished[self._bounds <= 0] = True
         width = self.prompts.shape[1] if self.prompts.ndim == 2 else 0
-        self._timed = (self.prompts[:, -1] == TIMESTAMPS_SLOT) if width else np.zeros(count, bool)
+        self._timed = np.isin(self.prompts[:, -1], TIMED_SLOTS) if width else np.zeros(count, bool)
         self._lengths = width - self._timed.astype(np.int64)
         self._detect = width > 1 and bool((self.prompts[:, 1] < 0).any())
         if self._timed.any() and self.timestamps is None:
@@ -210,6 +211,8 @@ def cross_names(layers: int) -> list[str]:
 # (present_self_kv: None).
 DecoderStep = Callable[[np.ndarray, np.ndarray | None, Mapping[str, Any], Mapping[str, str]],
                        tuple[np.ndarray, np.ndarray | None]]
+# The alignment call (word timestamps): like a step, but → alignment_weights [rows, heads, T, 1500].
+AlignStep = Callable[[np.ndarray, np.ndarray, Mapping[str, Any], Mapping[str, str]], np.ndarray]
 # The given rows of cross K/V tensors, as tensors of the same kind.
 GatherRows = Callable[[Mapping[str, Any], np.ndarray], Mapping[str, Any]]
 
@@ -237,8 +240,9 @@ class GreedyDecoder:
     new self-attention K/V back."""
 
     def __init__(self, tokenizer: WhisperTokenizer, vocab_size: int, step: DecoderStep,
-                 gather: GatherRows = gather_arrays, cache_key: str | None = None):
-        self.eot = tokenizer.eot
+                 gather: GatherRows = gather_arrays, cache_key: str | None = None, align: AlignStep | None = None):
+        self.eot, self.no_timestamps = tokenizer.eot, tokenizer.no_timestamps
+        self.align = align
         self.mask, self.begin_mask = tokenizer.suppress_masks(vocab_size)
         self.timestamps = tokenizer.timestamp_rules(vocab_size)
         self.language_mask = tokenizer.language_mask(vocab_size)
@@ -283,7 +287,30 @@ class GreedyDecoder:
             past = present if rows is None else present[rows]
             if rows is not None:
                 sent = self.gather(sent, rows)
+        words = np.flatnonzero(state.prompts[:, -1] == WORDS_SLOT) if state.prompts.ndim == 2 else []
+        if len(words) and self.align is not None:
+            self.align_words(state, words, cross, empty_past(1)[0], compact)
         return state.tokens
+
+    def align_words(self, state: "GreedyBatch", words: np.ndarray, cross: Mapping[str, Any], empty: np.ndarray,
+                    compact: bool) -> None:
+        """One decoder call over the final tokens of the windows that want word times
+        (``words.alignment_sequence``, padded with ``<|endoftext|>``: causal, so padding changes no
+        earlier position) → their tokens become ``AlignedTokens`` with the alignment heads'
+        cross-attention. Their cross K/V are sent again (the decoder's cache has let finished
+        windows go); on a device (``compact=False``) every row of the group is sent as it is."""
+        rows = words if compact else np.arange(len(state.prompts))
+        sequences = [alignment_sequence(state.prompts[w], state.tokens[w], self.no_timestamps, self.eot)
+                     if w in words else [int(state.prompts[w, 0])] for w in rows]
+        width = max(len(sequence) for sequence in sequences)
+        ids = np.array([[*sequence, *[self.eot] * (width - len(sequence))] for sequence in sequences], dtype=np.int64)
+        sent = cross if len(rows) == len(state.prompts) else self.gather(cross, rows)
+        parameters = {} if self.cache_key is None else {"input_cache_key": self.cache_key,
+                                                        "input_cache_rows": ",".join(str(w) for w in rows)}
+        weights = self.align(ids, np.repeat(empty[None], len(rows), axis=0), sent, parameters)
+        for position, window in enumerate(rows):
+            if window in words:
+                state.tokens[window] = AlignedTokens(state.tokens[window], weights[position, :, :len(sequences[position])])
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from triton_pipelines.pipelines.speech.config import (DEFAULT_LANGUAGE, DEFAULT_
                                                      MAX_TARGET_POSITIONS, PROMPT_LENGTH, TIMESTAMP_MODES, WINDOW_SECONDS)
 from triton_pipelines.pipelines.speech.decoding import fill_languages
 from triton_pipelines.pipelines.speech.timestamps import window_segments
+from triton_pipelines.pipelines.speech.words import AlignedTokens, assign_words, window_words
 from triton_pipelines.pipelines.speech.tokenizer import WhisperTokenizer
 
 
@@ -42,19 +43,19 @@ def text_values(raw: np.ndarray | None, count: int, input_name: str, default: st
             for index, item in enumerate(flat)]
 
 
-def timestamp_values(raw: np.ndarray | None, count: int, default: str) -> list[bool]:
-    """The optional ``timestamps`` input (``none`` | ``segment``; BOOL true/false too) → per item,
-    whether its windows are decoded with timestamps."""
+def timestamp_values(raw: np.ndarray | None, count: int, default: str) -> list[str]:
+    """The optional ``timestamps`` input (``none`` | ``segment`` | ``word``; BOOL true/false too:
+    segment/none) → per item, its mode."""
     if raw is not None and raw.dtype == np.bool_:
         flags = raw.reshape(-1)
         if flags.size != count:
             raise InputError(f"input 'timestamps' has {flags.size} elements for {count} audio items")
-        return [bool(flag) for flag in flags]
+        return ["segment" if flag else "none" for flag in flags]
     modes = text_values(raw, count, "timestamps", default)
     for index, mode in enumerate(modes):
         if mode not in TIMESTAMP_MODES:
             raise InputError(f"input 'timestamps'[{index}] is {mode!r}: use one of {', '.join(TIMESTAMP_MODES)}")
-    return [mode == "segment" for mode in modes]
+    return modes
 
 
 def item_spans(raw: np.ndarray | None, counts: Sequence[int]) -> list[list[tuple[float, float]]]:
@@ -223,10 +224,17 @@ def item_languages(tokenizer: WhisperTokenizer, prompts: np.ndarray, windows_per
     return [tokenizer.language_code(int(prompts[first, 1])) if prompts[first, 1] >= 0 else "" for first in firsts]
 
 
-def segments_json(tokenizer: WhisperTokenizer, windows: Sequence[list[int]], spans: Sequence[tuple[float, float]]) -> str:
-    """An item's segments (``timestamps.window_segments`` of each window) as JSON."""
-    segments = [segment.as_dict() for tokens, span in zip(windows, spans)
-                for segment in window_segments(tokens, span, tokenizer.timestamp_begin, tokenizer.decode)]
+def segments_json(tokenizer: WhisperTokenizer, windows: Sequence[list[int]], spans: Sequence[tuple[float, float]],
+                  language: str = "") -> str:
+    """An item's segments (``timestamps.window_segments`` of each window) as JSON; a window aligned
+    for word times (``words.AlignedTokens``) gives each segment its ``words`` too."""
+    segments, last_speech = [], 0.0
+    for tokens, span in zip(windows, spans):
+        found = window_segments(tokens, span, tokenizer.timestamp_begin, tokenizer.decode)
+        if isinstance(tokens, AlignedTokens):
+            timings = window_words(tokens, span, tokenizer.encoding.decode, tokenizer.eot, language)
+            found, last_speech = assign_words(found, timings, last_speech)
+        segments += [segment.as_dict() for segment in found]
     return json.dumps(segments, ensure_ascii=False)
 
 
@@ -246,7 +254,8 @@ def transcript_outputs(tokenizer: WhisperTokenizer, item_tokens: Sequence[Sequen
         ids[row, :len(values)] = values
     outputs = {"transcript": text_column(texts), "token_ids": ids}
     if job is not None:
-        outputs["language"] = text_column(item_languages(tokenizer, job.prompts, job.windows_per_item))
-        outputs["segments"] = text_column([segments_json(tokenizer, windows, spans)
-                                           for windows, spans in zip(item_tokens, job.spans)])
+        languages = item_languages(tokenizer, job.prompts, job.windows_per_item)
+        outputs["language"] = text_column(languages)
+        outputs["segments"] = text_column([segments_json(tokenizer, windows, spans, language)
+                                           for windows, spans, language in zip(item_tokens, job.spans, languages)])
     return outputs

@@ -118,8 +118,8 @@ class StreamDecode:
                 continue
             texts = [self.tokenizer.decode(t).strip() for t in self.tokens[a:b]]
             transcript = " ".join(t for t in texts if t)
-            segments = segments_json(self.tokenizer, self.tokens[a:b], self.jobs[index].spans)
             language = item_languages(self.tokenizer, prompts[a:b], [b - a])[0]
+            segments = segments_json(self.tokenizer, self.tokens[a:b], self.jobs[index].spans, language)
             duration = self.jobs[index].spans[-1][1] if self.jobs[index].spans else 0.0
             self.send(index, stream_outputs(transcript, text_delta(self.sent[index], transcript), True, segments,
                                             language, duration), True)

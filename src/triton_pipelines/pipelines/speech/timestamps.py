@@ -79,10 +79,13 @@ class Segment:
     end: float
     text: str
     tokens: tuple[int, ...] = ()
+    words: tuple[dict, ...] | None = None  # [{word, start, end}] where word times were asked for
 
     def as_dict(self) -> dict:
-        return {"start": round(self.start, 3), "end": round(self.end, 3), "text": self.text,
-                "tokens": list(self.tokens)}
+        found = {"start": round(self.start, 3), "end": round(self.end, 3), "text": self.text, "tokens": list(self.tokens)}
+        if self.words is not None:
+            found["words"] = list(self.words)
+        return found
 
 
 def window_segments(tokens: Sequence[int], span: tuple[float, float], timestamp_begin: int,

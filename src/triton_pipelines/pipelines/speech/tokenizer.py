@@ -16,8 +16,11 @@ from triton_pipelines.pipelines.speech.timestamps import TimestampRules
 
 # Sentinels in a prompt row (``WhisperTokenizer.prompt_row``): the language slot of a window whose
 # language is detected (``detect_from(k)``: from the logits of the window k rows before it in the
-# batch, 0 = itself), and the last slot of a window decoded with timestamps (no <|notimestamps|>).
+# batch, 0 = itself), and the last slot of a window decoded with timestamps (no <|notimestamps|>):
+# TIMESTAMPS_SLOT, or WORDS_SLOT for word timestamps too.
 TIMESTAMPS_SLOT = -1
+WORDS_SLOT = -2
+TIMED_SLOTS = (TIMESTAMPS_SLOT, WORDS_SLOT)
 
 
 def detect_from(k: int) -> int:
@@ -79,19 +82,20 @@ class WhisperTokenizer:
         language code or task."""
         return self.prompt_row(language, task)
 
-    def prompt_row(self, language: str = "en", task: str = DEFAULT_TASK, timestamps: bool = False,
+    def prompt_row(self, language: str = "en", task: str = DEFAULT_TASK, timestamps: bool | str = False,
                    window: int = 0) -> list[int]:
         """A window's prompt as the 4 slots ``GreedyBatch`` takes: ``language`` ``auto`` (detected:
         the slot ``detect_from(window)``, ``window`` being its index in its clip), ``timestamps``
-        (the last slot ``TIMESTAMPS_SLOT``: no ``<|notimestamps|>``). InputError for an unknown
-        language code or task."""
+        (True or ``segment``: the last slot ``TIMESTAMPS_SLOT``, no ``<|notimestamps|>``; ``word``:
+        ``WORDS_SLOT``). InputError for an unknown language code or task."""
         if language != AUTO_LANGUAGE and language not in self.languages:
             raise InputError(f"unknown language {language!r}: use a Whisper language code such as 'en', 'de', 'fr', "
                              f"or '{AUTO_LANGUAGE}' to detect it")
         if task not in TASKS:
             raise InputError(f"unknown task {task!r}: use 'transcribe' or 'translate'")
         slot = detect_from(window) if language == AUTO_LANGUAGE else self.special[f"<|{language}|>"]
-        return [self.sot, slot, self.special[f"<|{task}|>"], TIMESTAMPS_SLOT if timestamps else self.no_timestamps]
+        last = {True: TIMESTAMPS_SLOT, "segment": TIMESTAMPS_SLOT, "word": WORDS_SLOT}.get(timestamps, self.no_timestamps)
+        return [self.sot, slot, self.special[f"<|{task}|>"], last]
 
     def language_code(self, token: int) -> str:
         return self.languages[token - self.sot - 1]
