@@ -329,14 +329,23 @@ def test_transcription_in_every_response_format(client, server):
                                              for s in expected)
 
 
-def test_timestamp_granularities_as_openai_checks_them(client):
+def test_timestamp_granularities_word_and_segment(client, server):
+    """timestamp_granularities[]=word: verbose_json's words are the stream model's (timestamps=word)
+    in order within the clip; with segment too, the segments come along; only with verbose_json."""
     audio = HELLO.read_bytes()
-    for options, message in (({"timestamp_granularities": ["word"], "response_format": "verbose_json"},
-                               "'word' is not supported"),
-                             ({"timestamp_granularities": ["segment"]}, "needs response_format verbose_json")):
-        with pytest.raises(openai.BadRequestError) as caught:
-            client.audio.transcriptions.create(model="speech_recognition", file=("a.wav", audio), **options)
-        assert message in str(caught.value)
+    expected = [w for s in json.loads(stream_final(server, audio, timestamps=b"word")["segments"]) for w in s["words"]]
+    words = client.audio.transcriptions.create(model="speech_recognition", file=("a.wav", audio),
+                                               response_format="verbose_json", timestamp_granularities=["word"])
+    assert [(w.word, w.start, w.end) for w in words.words] == [(w["word"].strip(), w["start"], w["end"]) for w in expected]
+    assert " ".join(w.word for w in words.words) == words.text and not words.segments
+    assert all(0 <= w.start <= w.end <= words.duration for w in words.words)
+    both = client.audio.transcriptions.create(model="speech_recognition", file=("a.wav", audio),
+                                              response_format="verbose_json", timestamp_granularities=["word", "segment"])
+    assert both.words == words.words and both.segments
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.audio.transcriptions.create(model="speech_recognition", file=("a.wav", audio),
+                                           timestamp_granularities=["segment"])
+    assert "needs response_format verbose_json" in str(caught.value)
 
 
 def test_a_long_clip_has_segments_that_follow_the_speech(client):

@@ -300,3 +300,25 @@ def test_a_pause_shows_in_the_segment_times_and_the_tokens_equal_faster_whispers
     plain = client.infer(MODEL, {"audio": text_tensor([audio]), "language": text_tensor(["en"])})
     assert all(0 <= t < tokenizer.eot for t in plain["token_ids"][0] if t >= 0)
     assert len(json.loads(plain["segments"][0, 0])) == 1
+
+
+def test_a_pause_shows_in_the_word_times_as_faster_whisper_aligns_them(client, paused_clip, faster_whisper_float32):
+    """timestamps=word: the words of both sentences, the pause between the last word of the first
+    and the first of the second, and each word's times within 0.15 s of faster-whisper's
+    (word_timestamps=True: the same alignment heads and DTW, on its own features)."""
+    audio, speech = paused_clip
+    out = client.infer(MODEL, {"audio": text_tensor([audio]), "timestamps": text_tensor(["word"])})
+    segments = json.loads(out["segments"][0, 0])
+    words = [word for segment in segments for word in segment["words"]]
+    print("words:", [(w["word"], w["start"], w["end"]) for w in words])
+    first = len(normalize_words(CORPUS[0].text))
+    assert len(words) == first + len(normalize_words(CORPUS[1].text))
+    assert all(w["start"] <= w["end"] for w in words) and [w["start"] for w in words] == sorted(w["start"] for w in words)
+    assert words[first]["start"] - words[first - 1]["end"] >= PAUSE_SECONDS - 0.5
+    assert abs(words[first - 1]["end"] - speech[0][1]) <= 0.3 and abs(words[first]["start"] - speech[1][0]) <= 0.3
+    found, _ = faster_whisper_float32.model.transcribe(
+        decode_audio(audio), language="en", beam_size=1, temperature=0.0, word_timestamps=True,
+        condition_on_previous_text=False, vad_filter=False)
+    theirs = [word for segment in found for word in segment.words]
+    assert [w["word"] for w in words] == [w.word for w in theirs]
+    assert max(max(abs(w["start"] - t.start), abs(w["end"] - t.end)) for w, t in zip(words, theirs)) <= 0.15
