@@ -292,7 +292,7 @@ def stream_final(server, audio: bytes, **inputs) -> dict:
             result, error = results.get(timeout=300)
             assert error is None, error
             if result.as_numpy("is_final")[0, 0]:
-                return {name: result.as_numpy(name)[0, 0] for name in ("transcript", "segments", "language", "duration")}
+                return {name: result.as_numpy(name)[0, 0] for name in ("transcript", "segments", "detected_language", "duration")}
     finally:
         client.stop_stream()
         client.close()
@@ -437,7 +437,7 @@ def test_the_streaming_pipeline_on_the_public_grpc_port(server):
         assert len(partials) >= 5 and "".join(partials) == final.as_numpy("transcript")[0, 0].decode() == HELLO_TEXT
         segments = json.loads(final.as_numpy("segments")[0, 0])
         assert segments[0]["start"] == 0.0 and segments[0]["text"] == HELLO_TEXT  # no timestamps: the window
-        assert final.as_numpy("language")[0, 0].decode() == "en"  # detected
+        assert final.as_numpy("detected_language")[0, 0].decode() == "en"  # detected
         # an internal model is refused on the stream as on ModelInfer
         ids = grpcclient.InferInput("input_ids", [1, 1], "INT64")
         ids.set_data_from_numpy(np.array([[1]], dtype=np.int64))

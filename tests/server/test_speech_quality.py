@@ -149,7 +149,7 @@ def test_decoding_stops_at_end_of_text(client, triton_server, clips):
         after = statistics_after(stats, "whisper_decoder", before, len(tokens) + 2, timeout_s=10)
     finally:
         stats.close()
-    assert 5 <= len(tokens) < 40 and out["language"][0, 0].decode() == "en"
+    assert 5 <= len(tokens) < 40 and out["detected_language"][0, 0].decode() == "en"
     assert int(after["inference_count"]) - int(before["inference_count"]) == len(tokens) + 2
     assert word_errors(CORPUS[0].text, out["transcript"][0, 0].decode()).wer <= MAX_CLIP_WER_ENGLISH
 
@@ -238,7 +238,7 @@ def test_spanish_and_german_without_a_language_are_detected_and_transcribed(clie
         text = out["transcript"][0, 0].decode()
         wer = corpus_wer([(" ".join(sentences), text)])
         print(f"{language}: detected {out['language'][0, 0].decode()}, WER {wer:.3f}: {text}")
-        assert out["language"][0, 0].decode() == language, text
+        assert out["detected_language"][0, 0].decode() == language, text
         assert wer <= MAX_WER[language], text
 
 
@@ -252,7 +252,7 @@ def test_detected_languages_equal_faster_whispers_per_clip(client, clips, faster
         batch = picks[start:start + BATCH]
         out = client.infer(MODEL, {"audio": text_tensor([clips[i] for i in batch]),
                                    "max_new_tokens": np.ones((len(batch), 1), np.int32)})
-        ours += [value.decode() for value in out["language"][:, 0]]
+        ours += [value.decode() for value in out["detected_language"][:, 0]]
     filters = load_mel_filters(repository / "audio_features" / "1" / "mel_filters.npz", 80)
     theirs = faster_whisper_float32.languages(np.concatenate([audio_to_features(clips[i], filters) for i in picks]))
     print("detected:", list(zip([CORPUS[i].language for i in picks], ours)))
@@ -286,7 +286,7 @@ def test_a_pause_shows_in_the_segment_times_and_the_tokens_equal_faster_whispers
     out = client.infer(MODEL, {"audio": text_tensor([audio]), "timestamps": text_tensor(["segment"])})
     segments = json.loads(out["segments"][0, 0])
     print("segments:", segments)
-    assert len(segments) == 2 and out["language"][0, 0].decode() == "en"
+    assert len(segments) == 2 and out["detected_language"][0, 0].decode() == "en"
     assert all(word_errors(CORPUS[i].text, s["text"]).wer <= MAX_CLIP_WER_ENGLISH for i, s in enumerate(segments))
     for segment, (start, end) in zip(segments, speech):
         assert abs(segment["start"] - start) <= 0.3 and abs(segment["end"] - end) <= 0.3, (segments, speech)

@@ -64,7 +64,7 @@ class ServingAudio:
                 raise triton_error(error, "audio")
             if bool(result.as_numpy("is_final").reshape(-1)[0]):
                 text = result.as_numpy("transcript").reshape(-1)[0].decode("utf-8", "replace")
-                language = result.as_numpy("language").reshape(-1)[0].decode("utf-8", "replace")
+                language = result.as_numpy("detected_language").reshape(-1)[0].decode("utf-8", "replace")
                 duration = float(result.as_numpy("duration").reshape(-1)[0])
                 return text, transcripts.parse_segments(result.as_numpy("segments").reshape(-1)[0]), language, duration
         raise proto.unavailable("audio: the speech model ended the stream without a transcript")

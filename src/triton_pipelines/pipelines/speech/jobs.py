@@ -246,7 +246,8 @@ def transcript_outputs(tokenizer: WhisperTokenizer, item_tokens: Sequence[Sequen
                        job: DecodeJob | None = None) -> dict[str, np.ndarray]:
     """One request's per item, per window ids → ``whisper_decode``'s outputs: ``transcript``
     ``[items, 1]`` (UTF-8 bytes) and ``token_ids`` ``[items, longest]`` int32, padded with -1;
-    with its job also ``language`` (each item's code) and ``segments`` (JSON, ``segments_json``)."""
+    with its job also ``detected_language`` (each item's code: given or detected; not ``language``,
+    which would be the ensemble's input tensor too) and ``segments`` (JSON, ``segments_json``)."""
     texts = [join_transcript(tokenizer, windows) for windows in item_tokens]
     flat = [[t for window in windows for t in window] for windows in item_tokens]
     ids = np.full((len(flat), max(len(f) for f in flat)), -1, dtype=np.int32)
@@ -255,7 +256,7 @@ def transcript_outputs(tokenizer: WhisperTokenizer, item_tokens: Sequence[Sequen
     outputs = {"transcript": text_column(texts), "token_ids": ids}
     if job is not None:
         languages = item_languages(tokenizer, job.prompts, job.windows_per_item)
-        outputs["language"] = text_column(languages)
+        outputs["detected_language"] = text_column(languages)
         outputs["segments"] = text_column([segments_json(tokenizer, windows, spans, language)
                                            for windows, spans, language in zip(item_tokens, job.spans, languages)])
     return outputs

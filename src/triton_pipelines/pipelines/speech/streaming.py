@@ -60,7 +60,7 @@ def stream_outputs(transcript: str, delta: str, final: bool, segments: str = "[]
             "delta": np.array([[delta.encode()]], dtype=np.object_),
             "is_final": np.array([[final]], dtype=bool),
             "segments": np.array([[segments.encode()]], dtype=np.object_),
-            "language": np.array([[language.encode()]], dtype=np.object_),
+            "detected_language": np.array([[language.encode()]], dtype=np.object_),
             "duration": np.array([[duration]], dtype=np.float32)}
 
 
