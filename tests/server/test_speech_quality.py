@@ -237,7 +237,7 @@ def test_spanish_and_german_without_a_language_are_detected_and_transcribed(clie
         out = client.infer(MODEL, {"audio": text_tensor([audio])})
         text = out["transcript"][0, 0].decode()
         wer = corpus_wer([(" ".join(sentences), text)])
-        print(f"{language}: detected {out['language'][0, 0].decode()}, WER {wer:.3f}: {text}")
+        print(f"{language}: detected {out['detected_language'][0, 0].decode()}, WER {wer:.3f}: {text}")
         assert out["detected_language"][0, 0].decode() == language, text
         assert wer <= MAX_WER[language], text
 
