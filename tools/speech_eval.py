@@ -176,8 +176,9 @@ class FasterWhisperGreedy:
                                   num_workers=num_workers, local_files_only=True)
 
     def tokens(self, features: np.ndarray, languages: Sequence[str], task: str = "transcribe",
-               max_new_tokens: int = 224) -> list[list[int]]:
-        """``features [N, n_mels, 3000]`` (one window each) → the generated ids per window."""
+               max_new_tokens: int = 224, timestamps: bool = False) -> list[list[int]]:
+        """``features [N, n_mels, 3000]`` (one window each) → the generated ids per window (with
+        ``timestamps``: its timestamp tokens too, under CTranslate2's timestamp rules)."""
         import ctranslate2
         from faster_whisper.tokenizer import Tokenizer
         from faster_whisper.transcribe import get_suppressed_tokens
@@ -185,7 +186,7 @@ class FasterWhisperGreedy:
         prompts, suppress = [], set()
         for language in languages:  # the suppressed tokens do not depend on the language
             tokenizer = Tokenizer(self.model.hf_tokenizer, True, task=task, language=language)
-            prompts.append(self.model.get_prompt(tokenizer, [], without_timestamps=True))
+            prompts.append(self.model.get_prompt(tokenizer, [], without_timestamps=not timestamps))
             suppress.update(get_suppressed_tokens(tokenizer, [-1]))
         results = self.model.model.generate(
             ctranslate2.StorageView.from_array(np.ascontiguousarray(features, dtype=np.float32)), prompts,
@@ -193,6 +194,16 @@ class FasterWhisperGreedy:
             suppress_tokens=sorted(suppress))
         eot = self.model.hf_tokenizer.token_to_id("<|endoftext|>")
         return [[t for t in result.sequences_ids[0] if t != eot] for result in results]
+
+    def languages(self, features: np.ndarray) -> list[str]:
+        """``features [N, n_mels, 3000]`` → each window's most probable language code
+        (CTranslate2's ``detect_language``: the language tokens' probabilities after
+        ``<|startoftranscript|>``)."""
+        import ctranslate2
+
+        results = self.model.model.detect_language(
+            ctranslate2.StorageView.from_array(np.ascontiguousarray(features, dtype=np.float32)))
+        return [result[0][0][2:-2] for result in results]
 
     def transcribe(self, audio: np.ndarray, language: str = "en", **options) -> str:
         """16 kHz mono samples → text, greedy, no timestamps, no conditioning on earlier windows."""

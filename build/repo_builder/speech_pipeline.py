@@ -30,8 +30,8 @@ from triton_pipelines.stub.heap import HEAP_KEEP_PARAMETER
 from . import ct2_whisper
 from .compute import ComputeModel, LatencyVariant, TensorSpec
 from .export.whisper import (ENCODER_POSITIONS, N_FRAMES, RANDOM_INIT_STD, RANDOM_SEED, WHISPER_SIZES, WhisperSource,
-                             describe_architecture, export_decoder, export_encoder, parameter_count, size_name,
-                             whisper_config_dict)
+                             alignment_heads, describe_architecture, export_decoder, export_encoder, parameter_count,
+                             size_name, whisper_config_dict)
 from .hub import ResolvedModel, WeightsError, resolve_model, resolve_optional
 from .pipeline import BuildContext, Pipeline
 
@@ -226,7 +226,10 @@ def decoder_model(source: WhisperSource) -> ComputeModel:
         inputs=(TensorSpec("input_ids", "TYPE_INT64", (-1,)), TensorSpec("past_self_kv", "TYPE_FP32", cache),
                 *cross_attention_specs(arch)),
         outputs=(TensorSpec("logits", "TYPE_FP32", (arch["vocab_size"],)),
-                 TensorSpec("present_self_kv", "TYPE_FP32", cache)),
+                 TensorSpec("present_self_kv", "TYPE_FP32", cache),
+                 # the alignment heads' cross-attention at each new position: word timestamps
+                 TensorSpec("alignment_weights", "TYPE_FP32",
+                            (len(alignment_heads(arch, source.checkpoint)), -1, ENCODER_POSITIONS))),
         max_batch_size=MAX_DECODER_BATCH,
         export_onnx=partial(export_decoder, source),
         source_key=source.key(),

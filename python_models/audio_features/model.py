@@ -3,7 +3,7 @@
 Decoding, downmix, resampling and the spectrogram live in ``triton_pipelines.pipelines.speech``; a bad item
 fails its own request only."""
 
-from triton_pipelines.pipelines.speech.features import audio_to_features, load_mel_filters
+from triton_pipelines.pipelines.speech.features import audio_to_timed_features, load_mel_filters, pad_spans
 from triton_pipelines.pipelines.speech.windows import pad_windows
 from triton_pipelines.stub.model_args import model_parameters, version_dir
 from triton_pipelines.stub.responses import input_array, respond
@@ -23,6 +23,7 @@ class TritonPythonModel:
 
     def features(self, request):
         items = input_array(request, "audio").reshape(-1)
-        stacked, counts = pad_windows([audio_to_features(bytes(item), self.filters, index=i, **self.limits)
-                                       for i, item in enumerate(items)])
-        return {"input_features": stacked, "num_windows": counts.reshape(-1, 1)}
+        timed = [audio_to_timed_features(bytes(item), self.filters, index=i, **self.limits) for i, item in enumerate(items)]
+        stacked, counts = pad_windows([features for features, _ in timed])
+        return {"input_features": stacked, "num_windows": counts.reshape(-1, 1),
+                "window_spans": pad_spans([spans for _, spans in timed], stacked.shape[1])}

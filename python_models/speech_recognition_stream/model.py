@@ -1,6 +1,7 @@
 """Audio → transcript, streamed: a decoupled model that sends a partial transcript (``transcript``
 so far, ``delta`` since the last response) as tokens are decoded and one final response
-(``is_final``, ``segments``: one per 30 s window with its times), flagged final.
+(``is_final``, ``segments``: one per window with its times, or one per timestamp pair with
+``timestamps: segment``; ``language``: given or detected), flagged final.
 
 It does ``audio_features``' step in process (it needs each window's span in the audio) and
 ``whisper_decode``'s loop over BLS calls to ``whisper_encoder`` / ``whisper_decoder``
@@ -59,5 +60,5 @@ class TritonPythonModel:
 
     def plan(self, request):
         return plan_stream_job(self.whisper.tokenizer, self.filters, input_array(request, "audio"),
-                               *(input_array(request, name) for name in ("language", "task", "max_new_tokens")),
+                               *(input_array(request, name) for name in ("language", "task", "max_new_tokens", "timestamps")),
                                parameters=request_parameters(request), limits=self.limits, **self.whisper.defaults)

@@ -9,7 +9,9 @@ step sends them and later steps name the decoder's cached copy (``input_cache_ke
 decoder also keeps the self-attention K/V between steps (later steps send only the new tokens and
 get only the logits). A request whose client has gone (cancelled, or past the gRPC deadline the
 screen forwards: an ensemble's running step is never cancelled by Triton 2.51) stops decoding
-within 0.1 s and is answered CANCELLED. Request parsing, the decoding loop and the outputs:
+within 0.1 s and is answered CANCELLED. Without a language (or ``auto``) it is detected on each
+item's first window in the same loop; ``timestamps: segment`` decodes with Whisper's timestamp
+tokens, and ``segments`` carries their times (``window_spans``: each window's place in the clip). Request parsing, the decoding loop and the outputs:
 ``triton_pipelines.pipelines.speech`` (``plan_request``, ``GreedyDecoder``, ``transcript_outputs``); the BLS
 calls: ``triton_pipelines.stub.whisper``."""
 
@@ -17,7 +19,7 @@ from triton_pipelines.pipelines.speech.jobs import client_gone, decode_jobs, pla
 from triton_pipelines.stub.responses import input_array, request_parameters, respond
 from triton_pipelines.stub.whisper import WhisperBls
 
-OPTIONAL_INPUTS = ("num_windows", "language", "task", "max_new_tokens")
+OPTIONAL_INPUTS = ("num_windows", "language", "task", "max_new_tokens", "timestamps", "window_spans")
 
 
 class TritonPythonModel:
@@ -35,5 +37,5 @@ class TritonPythonModel:
 
     def decode(self, jobs):
         whisper = self.whisper
-        return [items if isinstance(items, Exception) else transcript_outputs(whisper.tokenizer, items)
-                for items in decode_jobs(jobs, whisper.group_size, whisper.group)]
+        return [items if isinstance(items, Exception) else transcript_outputs(whisper.tokenizer, items, job)
+                for job, items in zip(jobs, decode_jobs(jobs, whisper.group_size, whisper.group))]

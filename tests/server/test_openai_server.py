@@ -268,22 +268,92 @@ def test_a_list_of_64_strings_is_one_triton_request_and_130_are_three(client, se
 
 
 # ------------------------------------------------------------------------------------ audio
-def test_transcription_in_every_response_format(client):
+def speech_onsets(samples: np.ndarray, rate: int, gap_s: float = 0.5) -> list[float]:
+    """Where speech starts after a silence of at least ``gap_s`` (samples above -40 dBFS)."""
+    loud = np.flatnonzero(np.abs(samples) > 0.01) / rate
+    return [float(t) for i, t in enumerate(loud) if i == 0 or t - loud[i - 1] >= gap_s]
+
+
+def stream_final(server, audio: bytes, **inputs) -> dict:
+    """speech_recognition_stream's final response (public gRPC port), without partials."""
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    results: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    try:
+        tensors = []
+        for name, value in {"audio": audio, **inputs}.items():
+            tensor = grpcclient.InferInput(name, [1, 1], "BYTES")
+            tensor.set_data_from_numpy(np.array([[value]], dtype=object))
+            tensors.append(tensor)
+        client.async_stream_infer("speech_recognition_stream", tensors, parameters={"partials": False})
+        while True:
+            result, error = results.get(timeout=300)
+            assert error is None, error
+            if result.as_numpy("is_final")[0, 0]:
+                return {name: result.as_numpy(name)[0, 0] for name in ("transcript", "segments", "detected_language", "duration")}
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+def test_transcription_in_every_response_format(client, server):
+    """json and text without timestamps; verbose_json, srt and vtt with Whisper's segment
+    timestamps: the segments and cues are the stream model's (timestamps=segment) for the same
+    audio, and the language is detected when none is sent."""
     audio = HELLO.read_bytes()
     assert client.audio.transcriptions.create(model="speech_recognition", file=("a.wav", audio)).text == HELLO_TEXT
     assert client.audio.transcriptions.create(model="whisper-1", file=("a.wav", audio),
                                               response_format="text").strip() == HELLO_TEXT
+    expected = json.loads(stream_final(server, audio, timestamps=b"segment")["segments"])
+    assert expected and all(s["end"] > s["start"] for s in expected)
     verbose = client.audio.transcriptions.create(model="speech_recognition", file=("a.wav", audio),
-                                                 response_format="verbose_json", language="en")
-    assert verbose.text == HELLO_TEXT and verbose.language == "english" and 3.0 < verbose.duration < 5.0
-    assert [(s.start, s.text) for s in verbose.segments] == [(0.0, HELLO_TEXT)]
+                                                 response_format="verbose_json")
+    assert verbose.language == "english" and 3.0 < verbose.duration < 5.0
+    assert [(s.start, s.end, s.text) for s in verbose.segments] == [(s["start"], s["end"], s["text"]) for s in expected]
+    assert " ".join(s.text for s in verbose.segments) == verbose.text
+    asked = client.audio.transcriptions.create(model="speech_recognition", file=("a.wav", audio), language="en",
+                                               response_format="verbose_json", timestamp_granularities=["segment"])
+    assert [(s.start, s.end) for s in asked.segments] == [(s.start, s.end) for s in verbose.segments]
+
+    def cue(seconds: float, separator: str) -> str:
+        millis = int(round(seconds * 1000))
+        return f"00:00:{millis // 1000:02d}{separator}{millis % 1000:03d}"
+
     srt = client.audio.transcriptions.create(model="speech_recognition", file=("a.wav", audio), response_format="srt")
-    assert srt.startswith("1\n00:00:00,000 --> 00:00:03,") and HELLO_TEXT in srt
+    assert srt == "\n".join(f"{i + 1}\n{cue(s['start'], ',')} --> {cue(s['end'], ',')}\n{s['text']}\n"
+                            for i, s in enumerate(expected))
     vtt = client.audio.transcriptions.create(model="speech_recognition", file=("a.wav", audio), response_format="vtt")
-    assert vtt.startswith("WEBVTT\n\n00:00:00.000 --> 00:00:03.") and HELLO_TEXT in vtt
+    assert vtt == "WEBVTT\n\n" + "\n".join(f"{cue(s['start'], '.')} --> {cue(s['end'], '.')}\n{s['text']}\n"
+                                             for s in expected)
 
 
-def test_a_long_clip_has_one_segment_per_window_with_its_times(client):
+def test_timestamp_granularities_word_and_segment(client, server):
+    """timestamp_granularities[]=word: verbose_json's words are the stream model's (timestamps=word)
+    in order within the clip; with segment too, the segments come along; only with verbose_json."""
+    audio = HELLO.read_bytes()
+    expected = [w for s in json.loads(stream_final(server, audio, timestamps=b"word")["segments"]) for w in s["words"]]
+    words = client.audio.transcriptions.create(model="speech_recognition", file=("a.wav", audio),
+                                               response_format="verbose_json", timestamp_granularities=["word"])
+    assert [(w.word, w.start, w.end) for w in words.words] == [(w["word"].strip(), w["start"], w["end"]) for w in expected]
+    assert " ".join(w.word for w in words.words) == words.text and not words.segments
+    assert all(0 <= w.start <= w.end <= words.duration for w in words.words)
+    both = client.audio.transcriptions.create(model="speech_recognition", file=("a.wav", audio),
+                                              response_format="verbose_json", timestamp_granularities=["word", "segment"])
+    assert both.words == words.words and both.segments
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.audio.transcriptions.create(model="speech_recognition", file=("a.wav", audio),
+                                           timestamp_granularities=["segment"])
+    assert "needs response_format verbose_json" in str(caught.value)
+
+
+def test_a_long_clip_has_segments_that_follow_the_speech(client):
+    """~47 s (two windows) of the same sentence 9 times, 1.5 s apart: one segment per repetition,
+    in order, in both windows; the duration is the clip's. On this repetitive clip Whisper base's
+    timestamps snap to whole seconds (measured: 0, 5, 10, 15, 21, 27.5, ... for onsets 0, 5.3,
+    10.6, 16.0, 21.3, 26.6, ...: up to 1.1 s off), so each start is held to 1.2 s of its
+    repetition here; test_speech_quality's two distinct sentences are held to 0.3 s."""
     import soundfile
 
     samples, rate = soundfile.read(str(HELLO), dtype="float32")
@@ -295,11 +365,36 @@ def test_a_long_clip_has_one_segment_per_window_with_its_times(client):
     soundfile.write(buffer, long, rate, format="WAV")
     verbose = client.audio.transcriptions.create(model="speech_recognition", file=("long.wav", buffer.getvalue()),
                                                  response_format="verbose_json")
-    assert len(verbose.segments) == 2
-    first, second = verbose.segments
-    assert first.start == 0.0 and 25.0 <= first.end <= 30.0 and second.start == first.end
-    assert abs(second.end - len(long) / rate) < 0.01
-    assert verbose.text == f"{first.text} {second.text}"
+    starts = [s.start for s in verbose.segments]
+    print("segments:", [(s.start, s.end, s.text) for s in verbose.segments])
+    assert starts == sorted(starts) and all(s.end > s.start for s in verbose.segments)
+    onsets = speech_onsets(long, rate, gap_s=1.0)
+    assert len(onsets) == 9 and len(starts) == 9
+    assert all(abs(start - onset) <= 1.2 for start, onset in zip(starts, onsets)), (onsets, starts)
+    assert all(a.end <= b.start for a, b in zip(verbose.segments, verbose.segments[1:]))
+    assert abs(verbose.duration - len(long) / rate) < 0.01 and verbose.segments[-1].end <= verbose.duration
+    assert verbose.text == " ".join(s.text for s in verbose.segments)
+
+
+def test_a_pause_between_two_sentences_shows_in_the_verbose_json_segments(client):
+    """The clip, 2 s of silence, the clip again: the pause lies between two segments, the second
+    starting within 0.3 s of where its speech starts."""
+    import io
+
+    import soundfile
+
+    samples, rate = soundfile.read(str(HELLO), dtype="float32")
+    joined = np.concatenate([samples, np.zeros(2 * rate, np.float32), samples])
+    buffer = io.BytesIO()
+    soundfile.write(buffer, joined, rate, format="WAV")
+    verbose = client.audio.transcriptions.create(model="speech_recognition", file=("pause.wav", buffer.getvalue()),
+                                                 response_format="verbose_json")
+    onsets = speech_onsets(joined, rate, gap_s=1.5)
+    assert len(onsets) == 2
+    after = [s for s in verbose.segments if s.start >= onsets[1] - 0.3]
+    before = [s for s in verbose.segments if s.start < onsets[1] - 0.3]
+    assert after and before and abs(after[0].start - onsets[1]) <= 0.3
+    assert after[0].start - before[-1].end >= 1.4, verbose.segments
 
 
 def test_translation(client):
@@ -344,7 +439,8 @@ def test_the_streaming_pipeline_on_the_public_grpc_port(server):
                 partials.append(result.as_numpy("delta")[0, 0].decode())
         assert len(partials) >= 5 and "".join(partials) == final.as_numpy("transcript")[0, 0].decode() == HELLO_TEXT
         segments = json.loads(final.as_numpy("segments")[0, 0])
-        assert segments[0]["start"] == 0.0 and segments[0]["text"] == HELLO_TEXT
+        assert segments[0]["start"] == 0.0 and segments[0]["text"] == HELLO_TEXT  # no timestamps: the window
+        assert final.as_numpy("detected_language")[0, 0].decode() == "en"  # detected
         # an internal model is refused on the stream as on ModelInfer
         ids = grpcclient.InferInput("input_ids", [1, 1], "INT64")
         ids.set_data_from_numpy(np.array([[1]], dtype=np.int64))

@@ -136,19 +136,21 @@ def test_word_error_rate_per_clip_language_and_overall(corpus_results):
 
 
 def test_decoding_stops_at_end_of_text(client, triton_server, clips):
-    """One clip alone: the decoder runs one step per generated token plus the step that chose
-    <|endoftext|>, far below max_new_tokens (random weights would run all 224)."""
+    """One clip alone, its language detected: the decoder runs once over <|startoftranscript|>
+    (the language), once over the rest of the prompt, then one step per generated token; the step
+    that chose <|endoftext|> is the last, far below max_new_tokens (random weights would run all
+    224)."""
     stats = TritonClient("http", triton_server.http_url)
     try:
         before = stats.statistics("whisper_decoder")["model_stats"][0]
         out = client.infer(MODEL, {"audio": text_tensor([clips[0]])})
         tokens = [t for t in out["token_ids"][0] if t >= 0]
         # the decoder's last step is recorded after execute returns: wait for it, then count exactly
-        after = statistics_after(stats, "whisper_decoder", before, len(tokens) + 1, timeout_s=10)
+        after = statistics_after(stats, "whisper_decoder", before, len(tokens) + 2, timeout_s=10)
     finally:
         stats.close()
-    assert 5 <= len(tokens) < 40
-    assert int(after["inference_count"]) - int(before["inference_count"]) == len(tokens) + 1
+    assert 5 <= len(tokens) < 40 and out["detected_language"][0, 0].decode() == "en"
+    assert int(after["inference_count"]) - int(before["inference_count"]) == len(tokens) + 2
     assert word_errors(CORPUS[0].text, out["transcript"][0, 0].decode()).wer <= MAX_CLIP_WER_ENGLISH
 
 
@@ -223,3 +225,100 @@ def test_tokens_equal_faster_whisper_float32_on_the_same_features(corpus_results
                   for i, (text, tokens), theirs in zip(PARITY_CLIPS, ours, parity_reference) if tokens != theirs]
     assert not mismatches, mismatches
     assert sum(len(tokens) for tokens in parity_reference) > 8 * len(PARITY_CLIPS)  # real sentences
+
+
+# ---------------------------------------------------------------- language detection, timestamps
+def test_spanish_and_german_without_a_language_are_detected_and_transcribed(client):
+    """Each language's six sentences in one file (about 20 s), no language sent: the detected
+    language comes back and the transcript is within that language's WER threshold."""
+    for language in ("de", "es"):
+        sentences = [s.text for s in CORPUS if s.language == language]
+        audio, _ = join_clips([speak(text, language) for text in sentences])
+        out = client.infer(MODEL, {"audio": text_tensor([audio])})
+        text = out["transcript"][0, 0].decode()
+        wer = corpus_wer([(" ".join(sentences), text)])
+        print(f"{language}: detected {out['detected_language'][0, 0].decode()}, WER {wer:.3f}: {text}")
+        assert out["detected_language"][0, 0].decode() == language, text
+        assert wer <= MAX_WER[language], text
+
+
+def test_detected_languages_equal_faster_whispers_per_clip(client, clips, faster_whisper_float32, repository):
+    """Every non-English clip alone (2-5 s, where Whisper base is least sure: it hears two of the six
+    German clips as English): the language we detect is the one CTranslate2's detect_language picks
+    on the same features, and every Spanish clip is Spanish."""
+    picks = [i for i, sentence in enumerate(CORPUS) if sentence.language != "en"]
+    ours = []
+    for start in range(0, len(picks), BATCH):
+        batch = picks[start:start + BATCH]
+        out = client.infer(MODEL, {"audio": text_tensor([clips[i] for i in batch]),
+                                   "max_new_tokens": np.ones((len(batch), 1), np.int32)})
+        ours += [value.decode() for value in out["detected_language"][:, 0]]
+    filters = load_mel_filters(repository / "audio_features" / "1" / "mel_filters.npz", 80)
+    theirs = faster_whisper_float32.languages(np.concatenate([audio_to_features(clips[i], filters) for i in picks]))
+    print("detected:", list(zip([CORPUS[i].language for i in picks], ours)))
+    assert ours == theirs
+    assert all(language == "es" for i, language in zip(picks, ours) if CORPUS[i].language == "es")
+
+
+PAUSE_SECONDS = 2.0
+
+
+@pytest.fixture(scope="session")
+def paused_clip(repository) -> tuple[bytes, list[tuple[float, float]]]:
+    """Two English sentences PAUSE_SECONDS apart → the WAV and each sentence's speech (s: where
+    its samples are above -40 dBFS)."""
+    clips = [speak(CORPUS[0].text), speak(CORPUS[1].text)]
+    audio, starts = join_clips(clips, gap_seconds=PAUSE_SECONDS)
+    speech = []
+    for clip, start in zip(clips, starts):
+        samples = decode_audio(clip)
+        loud = np.flatnonzero(np.abs(samples) > 0.01)
+        speech.append((start + loud[0] / SAMPLE_RATE, start + loud[-1] / SAMPLE_RATE))
+    return audio, speech
+
+
+def test_a_pause_shows_in_the_segment_times_and_the_tokens_equal_faster_whispers(client, paused_clip,
+                                                                                 faster_whisper_float32, repository):
+    """timestamps=segment: one segment per sentence, each within 0.3 s of where its speech starts
+    and ends, so the pause lies between them; the timestamp tokens equal CTranslate2's (the same
+    timestamp rules) on the same features."""
+    audio, speech = paused_clip
+    out = client.infer(MODEL, {"audio": text_tensor([audio]), "timestamps": text_tensor(["segment"])})
+    segments = json.loads(out["segments"][0, 0])
+    print("segments:", segments)
+    assert len(segments) == 2 and out["detected_language"][0, 0].decode() == "en"
+    assert all(word_errors(CORPUS[i].text, s["text"]).wer <= MAX_CLIP_WER_ENGLISH for i, s in enumerate(segments))
+    for segment, (start, end) in zip(segments, speech):
+        assert abs(segment["start"] - start) <= 0.3 and abs(segment["end"] - end) <= 0.3, (segments, speech)
+    assert segments[1]["start"] - segments[0]["end"] >= PAUSE_SECONDS - 0.6
+    tokenizer = WhisperTokenizer(repository / "whisper_decode" / "1" / "multilingual.tiktoken")
+    filters = load_mel_filters(repository / "audio_features" / "1" / "mel_filters.npz", 80)
+    theirs = faster_whisper_float32.tokens(audio_to_features(audio, filters), ["en"], timestamps=True)[0]
+    assert [int(t) for t in out["token_ids"][0] if t >= 0] == theirs
+    assert sum(1 for t in theirs if t >= tokenizer.timestamp_begin) == 4
+    # the default stays the <|notimestamps|> decode: no timestamp tokens, one segment for the window
+    plain = client.infer(MODEL, {"audio": text_tensor([audio]), "language": text_tensor(["en"])})
+    assert all(0 <= t < tokenizer.eot for t in plain["token_ids"][0] if t >= 0)
+    assert len(json.loads(plain["segments"][0, 0])) == 1
+
+
+def test_a_pause_shows_in_the_word_times_as_faster_whisper_aligns_them(client, paused_clip, faster_whisper_float32):
+    """timestamps=word: the words of both sentences, the pause between the last word of the first
+    and the first of the second, and each word's times within 0.15 s of faster-whisper's
+    (word_timestamps=True: the same alignment heads and DTW, on its own features)."""
+    audio, speech = paused_clip
+    out = client.infer(MODEL, {"audio": text_tensor([audio]), "timestamps": text_tensor(["word"])})
+    segments = json.loads(out["segments"][0, 0])
+    words = [word for segment in segments for word in segment["words"]]
+    print("words:", [(w["word"], w["start"], w["end"]) for w in words])
+    first = len(normalize_words(CORPUS[0].text))
+    assert len(words) == first + len(normalize_words(CORPUS[1].text))
+    assert all(w["start"] <= w["end"] for w in words) and [w["start"] for w in words] == sorted(w["start"] for w in words)
+    assert words[first]["start"] - words[first - 1]["end"] >= PAUSE_SECONDS - 0.5
+    assert abs(words[first - 1]["end"] - speech[0][1]) <= 0.3 and abs(words[first]["start"] - speech[1][0]) <= 0.3
+    found, _ = faster_whisper_float32.model.transcribe(
+        decode_audio(audio), language="en", beam_size=1, temperature=0.0, word_timestamps=True,
+        condition_on_previous_text=False, vad_filter=False)
+    theirs = [word for segment in found for word in segment.words]
+    assert [w["word"] for w in words] == [w.word for w in theirs]
+    assert max(max(abs(w["start"] - t.start), abs(w["end"] - t.end)) for w, t in zip(words, theirs)) <= 0.15

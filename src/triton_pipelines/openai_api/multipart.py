@@ -183,12 +183,14 @@ async def read_part(part, fields: dict[str, str], found: dict) -> None:
         return
     value = await bounded_read(part, proto.MAX_FIELD_BYTES, lambda: proto.invalid(
         f"the multipart field '{name}' is longer than {proto.MAX_FIELD_BYTES} bytes", name))
-    if name in fields:
+    if name in fields and not name.endswith("[]"):
         raise proto.invalid(f"the field '{name}' is given twice", name)
     try:
-        fields[name] = value.decode("utf-8")
+        text = value.decode("utf-8")
     except UnicodeDecodeError:
         raise proto.invalid(f"the field '{name}' is not UTF-8 text", name) from None
+    # an array field (name[]) comes as one part per value: kept one value a line
+    fields[name] = f"{fields[name]}\n{text}" if name in fields else text
 
 
 async def bounded_read(part, limit: int, error) -> bytes:

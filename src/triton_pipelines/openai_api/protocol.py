@@ -381,6 +381,11 @@ class TranscriptionRequest:
     prompt: str | None
     filename: str
 
+    @property
+    def timestamps(self) -> bool:
+        """Whether the transcript needs Whisper's timestamp tokens (the formats with times)."""
+        return self.response_format in ("verbose_json", "srt", "vtt")
+
 
 TRANSCRIPTION_FIELDS = {"file", "model", "language", "prompt", "response_format", "temperature", "stream",
                         "timestamp_granularities[]", "timestamp_granularities", "include[]", "include",

@@ -28,7 +28,7 @@ class WhisperBls:
         keep_freed_heap(p)
         self.encoder_model, self.decoder_model = p["encoder_model"], p["decoder_model"]
         self.defaults = {"default_language": p["default_language"], "default_task": p["default_task"],
-                         "default_max_new_tokens": int(p["max_new_tokens"])}
+                         "default_timestamps": p["default_timestamps"], "default_max_new_tokens": int(p["max_new_tokens"])}
         self.encoder_batch = int(p["encoder_max_batch_size"])
         caches_cross = p.get("decoder_input_cache", "false") == "true"
         self.group_size = decode_group_size(int(p["decoder_max_batch_size"]), self.encoder_batch)
@@ -37,7 +37,7 @@ class WhisperBls:
         self.cross_names = cross_names(int(p["decoder_layers"]))
         # With the cache, the decoder keeps this instance's current group under this key.
         key = f"{args['model_name']}/{args['model_instance_name']}/{os.getpid()}" if caches_cross else None
-        self.decoder = GreedyDecoder(self.tokenizer, vocab_size, self.step, gather_rows, cache_key=key)
+        self.decoder = GreedyDecoder(self.tokenizer, vocab_size, self.step, gather_rows, cache_key=key, align=self.align)
 
     def group(self, features, prompts, max_new_tokens, on_step=None):
         """One group of windows (at most one encoder call's worth: ``decode_group_size``): the
@@ -48,6 +48,13 @@ class WhisperBls:
         # the cross K/V on a GPU they stay in the batch and their tokens are ignored.
         compact = all(tensor.is_cpu() for tensor in cross.values())
         return self.decoder.decode(prompts, max_new_tokens, cross, heads, head_dim, compact, on_step=on_step)
+
+    def align(self, input_ids, past, cross, parameters):
+        """The word-timestamp call (``speech.AlignStep``): every token fed at once, only the
+        alignment heads' cross-attention back."""
+        inputs = [pb_utils.Tensor("input_ids", input_ids), pb_utils.Tensor("past_self_kv", past), *cross.values()]
+        outputs = call(self.decoder_model, inputs, ["alignment_weights"], cpu_outputs=True, parameters=parameters)
+        return outputs["alignment_weights"].as_numpy()
 
     def step(self, input_ids, past, cross, parameters):
         """One decoder call (``speech.DecoderStep``): with an ``input_cache_key`` the decoder keeps

@@ -179,7 +179,7 @@ def test_a_checkpoint_folder_exports_through_the_builder_and_matches_torch(tiny_
     prompt = np.array([[50258, 50259, 50360, 50364]], dtype=np.int64)
     past = np.zeros((1, 2 * TINY["decoder_layers"], 2, 0, 16), dtype=np.float32)
     names = [t.name for t in decoder.inputs[2:]]
-    logits, present = run("decoder.onnx", {"input_ids": prompt, "past_self_kv": past, **dict(zip(names, cross))})
+    logits, present, _ = run("decoder.onnx", {"input_ids": prompt, "past_self_kv": past, **dict(zip(names, cross))})
     with torch.no_grad():
         expected = model(input_features=torch.from_numpy(features), decoder_input_ids=torch.from_numpy(prompt)).logits
     np.testing.assert_allclose(logits, expected[:, -1].numpy(), rtol=1e-3, atol=1e-4)

@@ -167,6 +167,44 @@ def test_bad_transcription_fields_name_the_field(fields, param):
     assert error.status == 400 and error.param == param
 
 
+def test_timestamp_granularities_as_openai_takes_them():
+    """One part per value (``timestamp_granularities[]``, kept a line each by the multipart reader);
+    only with verbose_json; the formats with times are decoded with timestamp tokens."""
+    def granularities(**fields):
+        return transcripts.parse_granularities(fields, fields.get("response_format", "json"))
+
+    assert granularities(response_format="verbose_json") == ("segment",)
+    assert granularities(response_format="verbose_json", **{"timestamp_granularities[]": "segment"}) == ("segment",)
+    assert granularities(response_format="verbose_json", **{"timestamp_granularities[]": "word\nsegment"}) == \
+        ("word", "segment")
+    assert transcription(response_format="srt").timestamps and not transcription(response_format="json").timestamps
+    for fields, message in (({"timestamp_granularities[]": "segment"}, "needs response_format verbose_json"),
+                            ({"timestamp_granularities[]": "sentence", "response_format": "verbose_json"},
+                             "must be segment or word"),
+                            ({"timestamp_granularities[]": "word", "response_format": "srt"},
+                             "needs response_format verbose_json")):
+        error = error_of(granularities, **fields)
+        assert error.status == 400 and error.param == "timestamp_granularities[]" and message in error.message, error
+
+
+def test_verbose_json_names_a_detected_language_and_leaves_out_segments_not_asked_for():
+    verbose = json.loads(transcripts.format_transcript("verbose_json", "x", SEGMENTS, "transcribe", "ht", 1, ())[0])
+    assert verbose["language"] == "haitian creole" and "segments" not in verbose and "words" not in verbose
+
+
+def test_verbose_json_words_are_the_segments_words_as_openai_lists_them():
+    raw = json.dumps([{"start": 0, "end": 1.5, "text": "Hi there.", "tokens": [1, 2],
+                       "words": [{"word": " Hi", "start": 0.0, "end": 0.4}, {"word": " there.", "start": 0.4, "end": 1.5}]},
+                      {"start": 2.0, "end": 3.0, "text": "Bye.", "tokens": [3],
+                       "words": [{"word": " Bye.", "start": 2.1, "end": 2.9}]}])
+    segments = transcripts.parse_segments(raw)
+    verbose = json.loads(transcripts.format_transcript("verbose_json", "Hi there. Bye.", segments, "transcribe", "en",
+                                                       3.0, ("word",))[0])
+    assert verbose["words"] == [{"word": "Hi", "start": 0.0, "end": 0.4}, {"word": "there.", "start": 0.4, "end": 1.5},
+                                {"word": "Bye.", "start": 2.1, "end": 2.9}]
+    assert "segments" not in verbose  # only word asked for, as OpenAI answers
+
+
 def test_a_missing_or_empty_file_is_400():
     for size in (None, 0):
         error = error_of(proto.parse_transcription, {"model": "speech_recognition"}, "a.wav", size, "transcribe",
@@ -297,6 +335,10 @@ def test_the_stable_prefix_follows_windows_in_order():
 
 class FakeTokenizer:
     eot = 100
+    timestamp_begin = 150
+
+    def language_code(self, token):
+        return f"l{token}"
 
     def decode(self, ids):
         return "".join(f" w{i}" for i in ids)
@@ -325,7 +367,7 @@ def job(*window_ids, partials=True):
     features = np.zeros((len(window_ids), 1, 1), np.float32)
     features[:, 0, 0] = window_ids
     spans = [(30.0 * i, 30.0 * (i + 1)) for i in range(len(window_ids))]
-    return StreamJob(features, spans, [1, 2, 3, 4], 50, partials)
+    return StreamJob(features, spans, np.array([[1, 2, 3, 4]] * len(window_ids)), 50, partials)
 
 
 def run_stream(jobs, script, group_size=64, cancelled=lambda i: False):

@@ -255,7 +255,7 @@ def test_plan_request_validates_and_expands_per_window(tokenizer):
                        language=np.array([[b"de"], [b""]], dtype=object),
                        max_new_tokens=np.array([[7], [3]], np.int32))
     assert job.features.shape == (3, 80, 3000) and job.windows_per_item == [2, 1]
-    assert job.prompts[:, 1].tolist() == [50261, 50261, 50259]  # de, de, en (the default)
+    assert job.prompts[:, 1].tolist() == [50261, 50261, -1]  # de, de, detected (the default: auto)
     assert job.max_new_tokens.tolist() == [7, 7, 3]
     with pytest.raises(InputError, match="num_windows"):
         plan_request(tokenizer, features, np.array([[3], [1]], np.int32))

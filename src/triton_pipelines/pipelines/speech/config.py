@@ -40,9 +40,31 @@ LANGUAGE_CODES = (
     "km sn yo so af oc ka be tg sd gu am yi lo uz fo ht ps tk nn mt sa lb my bo tl mg as tt haw ln "
     "ha ba jw su yue"
 ).split()
+# Each code's English name (openai-whisper's LANGUAGES; OpenAI's verbose_json reports these, lower case).
+LANGUAGE_NAMES = dict(pair.replace("_", " ").split("=") for pair in (
+    "en=english zh=chinese de=german es=spanish ru=russian ko=korean fr=french ja=japanese "
+    "pt=portuguese tr=turkish pl=polish ca=catalan nl=dutch ar=arabic sv=swedish it=italian "
+    "id=indonesian hi=hindi fi=finnish vi=vietnamese he=hebrew uk=ukrainian el=greek ms=malay "
+    "cs=czech ro=romanian da=danish hu=hungarian ta=tamil no=norwegian th=thai ur=urdu hr=croatian "
+    "bg=bulgarian lt=lithuanian la=latin mi=maori ml=malayalam cy=welsh sk=slovak te=telugu "
+    "fa=persian lv=latvian bn=bengali sr=serbian az=azerbaijani sl=slovenian kn=kannada et=estonian "
+    "mk=macedonian br=breton eu=basque is=icelandic hy=armenian ne=nepali mn=mongolian bs=bosnian "
+    "kk=kazakh sq=albanian sw=swahili gl=galician mr=marathi pa=punjabi si=sinhala km=khmer sn=shona "
+    "yo=yoruba so=somali af=afrikaans oc=occitan ka=georgian be=belarusian tg=tajik sd=sindhi "
+    "gu=gujarati am=amharic yi=yiddish lo=lao uz=uzbek fo=faroese ht=haitian_creole ps=pashto "
+    "tk=turkmen nn=nynorsk mt=maltese sa=sanskrit lb=luxembourgish my=myanmar bo=tibetan tl=tagalog "
+    "mg=malagasy as=assamese tt=tatar haw=hawaiian ln=lingala ha=hausa ba=bashkir jw=javanese "
+    "su=sundanese yue=cantonese").split())
 TASKS = ("transcribe", "translate")
-# What a request that names no language, task or max_new_tokens gets.
-DEFAULT_LANGUAGE = "en"
+# What a request that names no language, task or max_new_tokens gets: the language is detected
+# (from the first window's language-token logits, as Whisper does), also when it names "auto".
+AUTO_LANGUAGE = "auto"
+DEFAULT_LANGUAGE = AUTO_LANGUAGE
+# Timestamps per request (input "timestamps"): none (the <|notimestamps|> prompt, the default),
+# segment (Whisper's timestamp tokens: segments with real times), word (segments, and each word's
+# times from the alignment heads' cross-attention: one decoder call more per window).
+TIMESTAMP_MODES = ("none", "segment", "word")
+DEFAULT_TIMESTAMPS = "none"
 DEFAULT_TASK = "transcribe"
 DEFAULT_MAX_NEW_TOKENS = 224
 
@@ -51,7 +73,7 @@ DEFAULT_MAX_NEW_TOKENS = 224
 _AUDIO_LIMITS = {"max_audio_seconds": MAX_AUDIO_SECONDS, "max_audio_bytes": MAX_AUDIO_BYTES,
                  "max_decoded_samples": MAX_DECODED_SAMPLES, "min_sample_rate": MIN_SAMPLE_RATE}
 _DECODE_DEFAULTS = {"default_language": DEFAULT_LANGUAGE, "default_task": DEFAULT_TASK,
-                    "max_new_tokens": DEFAULT_MAX_NEW_TOKENS}
+                    "default_timestamps": DEFAULT_TIMESTAMPS, "max_new_tokens": DEFAULT_MAX_NEW_TOKENS}
 CONFIG_PARAMETERS = {
     "audio_features": _AUDIO_LIMITS,
     "whisper_decode": _DECODE_DEFAULTS,

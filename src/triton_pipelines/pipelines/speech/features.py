@@ -1,9 +1,11 @@
 """Whisper's log-mel features: the mel filters, one window's log-mel spectrogram, and encoded
-audio → the feature windows of a clip (with their spans in time, for timed transcripts)."""
+audio → the feature windows of a clip (with their spans in time, for timed transcripts: the
+``window_spans`` that ``audio_features`` outputs and ``whisper_decode`` times its segments by)."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
@@ -52,3 +54,13 @@ def audio_to_timed_features(data: bytes, filters: np.ndarray, index: int = 0,
     kept = [(a, b) for a, b in spans if not is_silent(audio[a:b])] or spans[:1]
     features = np.stack([log_mel_spectrogram(audio[a:b], filters) for a, b in kept])
     return features, [(a / SAMPLE_RATE, b / SAMPLE_RATE) for a, b in kept]
+
+
+def pad_spans(spans: Sequence[Sequence[tuple[float, float]]], windows: int) -> np.ndarray:
+    """Per-item window spans (start, end in seconds: ``audio_to_timed_features``) → ``[items,
+    windows, 2]`` float32, padding windows (0, 0): ``audio_features``' ``window_spans``."""
+    padded = np.zeros((len(spans), windows, 2), dtype=np.float32)
+    for item, item_spans in enumerate(spans):
+        if item_spans:
+            padded[item, :len(item_spans)] = item_spans
+    return padded

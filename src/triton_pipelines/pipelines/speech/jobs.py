@@ -5,6 +5,7 @@ has gone leaves at the next step: ``CancelWatch``), and the transcripts and toke
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
@@ -13,7 +14,11 @@ import numpy as np
 
 from triton_pipelines.errors import InputError, RequestCancelled, decode_utf8
 from triton_pipelines.limits import CLIENT_DEADLINE_PARAMETER
-from triton_pipelines.pipelines.speech.config import DEFAULT_LANGUAGE, DEFAULT_MAX_NEW_TOKENS, DEFAULT_TASK, MAX_TARGET_POSITIONS, PROMPT_LENGTH
+from triton_pipelines.pipelines.speech.config import (DEFAULT_LANGUAGE, DEFAULT_MAX_NEW_TOKENS, DEFAULT_TASK, DEFAULT_TIMESTAMPS,
+                                                     MAX_TARGET_POSITIONS, PROMPT_LENGTH, TIMESTAMP_MODES, WINDOW_SECONDS)
+from triton_pipelines.pipelines.speech.decoding import fill_languages
+from triton_pipelines.pipelines.speech.timestamps import window_segments
+from triton_pipelines.pipelines.speech.words import AlignedTokens, assign_words, window_words
 from triton_pipelines.pipelines.speech.tokenizer import WhisperTokenizer
 
 
@@ -38,25 +43,55 @@ def text_values(raw: np.ndarray | None, count: int, input_name: str, default: st
             for index, item in enumerate(flat)]
 
 
+def timestamp_values(raw: np.ndarray | None, count: int, default: str) -> list[str]:
+    """The optional ``timestamps`` input (``none`` | ``segment`` | ``word``; BOOL true/false too:
+    segment/none) → per item, its mode."""
+    if raw is not None and raw.dtype == np.bool_:
+        flags = raw.reshape(-1)
+        if flags.size != count:
+            raise InputError(f"input 'timestamps' has {flags.size} elements for {count} audio items")
+        return ["segment" if flag else "none" for flag in flags]
+    modes = text_values(raw, count, "timestamps", default)
+    for index, mode in enumerate(modes):
+        if mode not in TIMESTAMP_MODES:
+            raise InputError(f"input 'timestamps'[{index}] is {mode!r}: use one of {', '.join(TIMESTAMP_MODES)}")
+    return modes
+
+
+def item_spans(raw: np.ndarray | None, counts: Sequence[int]) -> list[list[tuple[float, float]]]:
+    """The optional ``window_spans [items, windows, 2]`` (each window's start and end in its clip,
+    seconds: ``audio_features``' output) → per item, per window; without it, 30 s windows end to end."""
+    if raw is None:
+        return [[(i * WINDOW_SECONDS, (i + 1) * WINDOW_SECONDS) for i in range(count)] for count in counts]
+    spans = raw.reshape(len(counts), -1, 2) if raw.size else np.zeros((len(counts), 0, 2))
+    if spans.shape[1] < max(counts):
+        raise InputError(f"input 'window_spans' holds {spans.shape[1]} windows per item; the features hold {max(counts)}")
+    return [[(float(a), float(b)) for a, b in spans[item, :count]] for item, count in enumerate(counts)]
+
+
 @dataclass
 class DecodeJob:
-    """One ``whisper_decode`` request: its real windows, their prompts and its token bound."""
+    """One ``whisper_decode`` request: its real windows, their prompts and its token bound, and
+    each item's window spans in its clip (seconds)."""
 
     features: np.ndarray  # [windows, n_mels, 3000]
-    prompts: np.ndarray  # [windows, 4] int64
+    prompts: np.ndarray  # [windows, 4] int64: GreedyBatch's slots (detected languages written in)
     max_new_tokens: np.ndarray  # [windows] int64
     windows_per_item: list[int]
+    spans: list[list[tuple[float, float]]] = field(default_factory=list)
     # Whether its client has gone (cancelled, or past its deadline: ``client_gone``).
     cancelled: Callable[[], bool] = field(default=lambda: False, repr=False, compare=False)
 
 
 def plan_request(tokenizer: WhisperTokenizer, features: np.ndarray, num_windows: np.ndarray | None,
                  language: np.ndarray | None = None, task: np.ndarray | None = None,
-                 max_new_tokens: np.ndarray | None = None, default_language: str = DEFAULT_LANGUAGE,
-                 default_task: str = DEFAULT_TASK,
+                 max_new_tokens: np.ndarray | None = None, timestamps: np.ndarray | None = None,
+                 window_spans: np.ndarray | None = None, default_language: str = DEFAULT_LANGUAGE,
+                 default_task: str = DEFAULT_TASK, default_timestamps: str = DEFAULT_TIMESTAMPS,
                  default_max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS) -> DecodeJob:
     """Validate one request's tensors (``features [items, windows, n_mels, 3000]``) → DecodeJob.
-    ``max_new_tokens`` may lower the configured bound, never raise it past Whisper's 444."""
+    ``max_new_tokens`` may lower the configured bound, never raise it past Whisper's 444. A
+    language ``auto`` (the default) is detected on each item's first window."""
     items, padded = features.shape[0], features.shape[1]
     counts = [padded] * items if num_windows is None else [int(c) for c in num_windows.reshape(-1)]
     if len(counts) != items or any(c < 1 or c > padded for c in counts):
@@ -71,15 +106,17 @@ def plan_request(tokenizer: WhisperTokenizer, features: np.ndarray, num_windows:
         bounds = [int(v) for v in values]
     languages = text_values(language, items, "language", default_language)
     tasks = text_values(task, items, "task", default_task)
-    prompts = [tokenizer.prompt(lang, t) for lang, t in zip(languages, tasks)]
+    timed = timestamp_values(timestamps, items, default_timestamps)
+    prompts = [tokenizer.prompt_row(lang, t, stamp, window) for lang, t, stamp, count in zip(languages, tasks, timed, counts)
+               for window in range(count)]
     if all(count == padded for count in counts):  # no padding windows: a view, not a copy
         windows = features.reshape(-1, *features.shape[2:])
     else:
         windows = np.concatenate([features[i, :counts[i]] for i in range(items)])
     windows = windows.astype(np.float32, copy=False)
     per_window = lambda values: [v for i, v in enumerate(values) for _ in range(counts[i])]  # noqa: E731
-    return DecodeJob(windows, np.array(per_window(prompts), dtype=np.int64),
-                     np.array(per_window(bounds), dtype=np.int64), counts)
+    return DecodeJob(windows, np.array(prompts, dtype=np.int64), np.array(per_window(bounds), dtype=np.int64), counts,
+                     item_spans(window_spans, counts))
 
 
 def join_transcript(tokenizer: WhisperTokenizer, tokens: Sequence[list[int]]) -> str:
@@ -167,10 +204,13 @@ def decode_jobs(jobs: Sequence[DecodeJob], group_size: int, decode_group: Callab
             gone = [row for row in range(stop - start) if watch(int(owner[start + row]))]
             if gone:
                 state.stop(gone)
+        fill_languages(prompts, start, stop)
         window_tokens += decode_group(features[start:stop], prompts[start:stop], bounds[start:stop], on_step)
     result, offset = [], 0
     for index, job in enumerate(jobs):
         count = sum(job.windows_per_item)
+        if job.prompts is not prompts:
+            job.prompts[:] = prompts[offset:offset + count]  # the detected languages
         result.append(RequestCancelled("the request's client has gone (cancelled or past its deadline): "
                                        "its decoding stopped") if index in watch.gone
                       else group_windows(window_tokens[offset:offset + count], job.windows_per_item))
@@ -178,12 +218,45 @@ def decode_jobs(jobs: Sequence[DecodeJob], group_size: int, decode_group: Callab
     return result
 
 
-def transcript_outputs(tokenizer: WhisperTokenizer, item_tokens: Sequence[Sequence[list[int]]]) -> dict[str, np.ndarray]:
+def item_languages(tokenizer: WhisperTokenizer, prompts: np.ndarray, windows_per_item: Sequence[int]) -> list[str]:
+    """Each item's language code (given, or detected on its first window), from its prompts."""
+    firsts = np.cumsum([0, *windows_per_item[:-1]])
+    return [tokenizer.language_code(int(prompts[first, 1])) if prompts[first, 1] >= 0 else "" for first in firsts]
+
+
+def segments_json(tokenizer: WhisperTokenizer, windows: Sequence[list[int]], spans: Sequence[tuple[float, float]],
+                  language: str = "") -> str:
+    """An item's segments (``timestamps.window_segments`` of each window) as JSON; a window aligned
+    for word times (``words.AlignedTokens``) gives each segment its ``words`` too."""
+    segments, last_speech = [], 0.0
+    for tokens, span in zip(windows, spans):
+        found = window_segments(tokens, span, tokenizer.timestamp_begin, tokenizer.decode)
+        if isinstance(tokens, AlignedTokens):
+            timings = window_words(tokens, span, tokenizer.encoding.decode, tokenizer.eot, language)
+            found, last_speech = assign_words(found, timings, last_speech)
+        segments += [segment.as_dict() for segment in found]
+    return json.dumps(segments, ensure_ascii=False)
+
+
+def text_column(values: Sequence[str]) -> np.ndarray:
+    return np.array([value.encode() for value in values], dtype=np.object_).reshape(-1, 1)
+
+
+def transcript_outputs(tokenizer: WhisperTokenizer, item_tokens: Sequence[Sequence[list[int]]],
+                       job: DecodeJob | None = None) -> dict[str, np.ndarray]:
     """One request's per item, per window ids → ``whisper_decode``'s outputs: ``transcript``
-    ``[items, 1]`` (UTF-8 bytes) and ``token_ids`` ``[items, longest]`` int32, padded with -1."""
+    ``[items, 1]`` (UTF-8 bytes) and ``token_ids`` ``[items, longest]`` int32, padded with -1;
+    with its job also ``detected_language`` (each item's code: given or detected; not ``language``,
+    which would be the ensemble's input tensor too) and ``segments`` (JSON, ``segments_json``)."""
     texts = [join_transcript(tokenizer, windows) for windows in item_tokens]
     flat = [[t for window in windows for t in window] for windows in item_tokens]
     ids = np.full((len(flat), max(len(f) for f in flat)), -1, dtype=np.int32)
     for row, values in enumerate(flat):
         ids[row, :len(values)] = values
-    return {"transcript": np.array([t.encode() for t in texts], dtype=np.object_).reshape(-1, 1), "token_ids": ids}
+    outputs = {"transcript": text_column(texts), "token_ids": ids}
+    if job is not None:
+        languages = item_languages(tokenizer, job.prompts, job.windows_per_item)
+        outputs["detected_language"] = text_column(languages)
+        outputs["segments"] = text_column([segments_json(tokenizer, windows, spans, language)
+                                           for windows, spans, language in zip(item_tokens, job.spans, languages)])
+    return outputs

@@ -35,8 +35,21 @@ class WhisperOnnx:
     def decode_encoded(self, cross: dict[str, np.ndarray], prompts: np.ndarray, tokenizer: WhisperTokenizer,
                        max_new_tokens: int | np.ndarray) -> list[list[int]]:
         """Greedy decoding from the encoder's cross K/V (``encode``)."""
-        decoder = GreedyDecoder(tokenizer, self.shape.vocab_size, self.step)
+        decoder = GreedyDecoder(tokenizer, self.shape.vocab_size, self.step, align=self.align)
         return decoder.decode(prompts, max_new_tokens, cross, self.shape.heads, self.shape.head_dim)
+
+    def detect_language(self, cross: Mapping[str, np.ndarray], tokenizer: WhisperTokenizer) -> list[str]:
+        """Each window's language, as openai-whisper's ``detect_language``: one decoder run over
+        ``<|startoftranscript|>`` alone, the argmax of the language tokens' logits."""
+        rows = len(cross["cross_key_0"])
+        past = np.zeros((rows, 2 * self.shape.layers, self.shape.heads, 0, self.shape.head_dim), np.float32)
+        logits, _ = self.step(np.full((rows, 1), tokenizer.sot, np.int64), past, cross, {})
+        chosen = np.argmax(logits + tokenizer.language_mask(self.shape.vocab_size), axis=-1)
+        return [tokenizer.language_code(int(token)) for token in chosen]
+
+    def align(self, input_ids: np.ndarray, past: np.ndarray, cross: Mapping[str, np.ndarray],
+              parameters: Mapping[str, str]) -> np.ndarray:
+        return self.decoder.run(["alignment_weights"], {"input_ids": input_ids, "past_self_kv": past, **cross})[0]
 
     def step(self, input_ids: np.ndarray, past: np.ndarray, cross: Mapping[str, np.ndarray],
              parameters: Mapping[str, str]) -> tuple[np.ndarray, np.ndarray]:

@@ -4,16 +4,15 @@ a response whenever a request's prefix grows."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
 from triton_pipelines.errors import InputError, as_bytes
-from triton_pipelines.pipelines.speech.decoding import GreedyBatch
+from triton_pipelines.pipelines.speech.decoding import GreedyBatch, fill_languages
 from triton_pipelines.pipelines.speech.features import audio_to_timed_features
-from triton_pipelines.pipelines.speech.jobs import CancelWatch, plan_request
+from triton_pipelines.pipelines.speech.jobs import CancelWatch, item_languages, plan_request, segments_json
 from triton_pipelines.pipelines.speech.tokenizer import WhisperTokenizer
 
 
@@ -42,29 +41,35 @@ def text_delta(sent: str, now: str) -> str:
 
 @dataclass
 class StreamJob:
-    """One ``speech_recognition_stream`` request: its windows, their spans in the audio, prompts and
-    token bound, and whether it wants partial transcripts."""
+    """One ``speech_recognition_stream`` request: its windows, their spans in the audio, prompts
+    (``GreedyBatch``'s slots, one row per window) and token bound, and whether it wants partial
+    transcripts."""
 
     features: np.ndarray  # [windows, n_mels, 3000]
     spans: list[tuple[float, float]]
-    prompt: list[int]
+    prompts: np.ndarray  # [windows, 4] int64
     max_new_tokens: int
     partials: bool = True
 
 
-def stream_outputs(transcript: str, delta: str, final: bool, segments: str = "[]") -> dict[str, np.ndarray]:
-    """One response of ``speech_recognition_stream`` (a batch of one item)."""
+def stream_outputs(transcript: str, delta: str, final: bool, segments: str = "[]",
+                   language: str = "", duration: float = 0.0) -> dict[str, np.ndarray]:
+    """One response of ``speech_recognition_stream`` (a batch of one item); ``duration``: the
+    clip's length in seconds (the end of its last window; final responses only)."""
     return {"transcript": np.array([[transcript.encode()]], dtype=np.object_),
             "delta": np.array([[delta.encode()]], dtype=np.object_),
             "is_final": np.array([[final]], dtype=bool),
-            "segments": np.array([[segments.encode()]], dtype=np.object_)}
+            "segments": np.array([[segments.encode()]], dtype=np.object_),
+            "detected_language": np.array([[language.encode()]], dtype=np.object_),
+            "duration": np.array([[duration]], dtype=np.float32)}
 
 
 class StreamDecode:
     """The windows of every request of one ``execute`` decoded together (as ``whisper_decode``
     does: one encoder pass per group, one decoder step per group for every running window), with a
     partial transcript sent to a request whenever its stable prefix (``stable_prefix``) grows, and
-    one final response with the transcript and its segments (one per window, with its times).
+    one final response with the transcript, its segments (one per window, with its times, or one
+    per timestamp pair for a request with timestamps) and its language (given or detected).
 
     ``send(index, outputs, final)`` answers request ``index``; ``cancelled(index)`` says whether its
     client has gone: its windows then stop decoding (they leave the batch at the next step) and it
@@ -96,12 +101,13 @@ class StreamDecode:
         if not live:
             return
         features = np.concatenate([job.features for _, job in live])
-        prompts = np.array([job.prompt for _, job in live for _ in job.features], dtype=np.int64)
+        prompts = np.concatenate([job.prompts for _, job in live]).astype(np.int64)
         bounds = np.array([job.max_new_tokens for _, job in live for _ in job.features], dtype=np.int64)
         for start in range(0, len(features), self.group_size):
             stop = min(start + self.group_size, len(features))
             if all(i in self.gone or self._cancelled(i) for i, (a, b) in self.ranges.items() if a < stop and b > start):
                 continue  # every request of this group has gone
+            fill_languages(prompts, start, stop)
             tokens = self.decode_group(features[start:stop], prompts[start:stop], bounds[start:stop],
                                        lambda state, offset=start: self._step(offset, state))
             self.tokens[start:stop] = tokens
@@ -112,9 +118,11 @@ class StreamDecode:
                 continue
             texts = [self.tokenizer.decode(t).strip() for t in self.tokens[a:b]]
             transcript = " ".join(t for t in texts if t)
-            segments = json.dumps([{"start": round(s, 3), "end": round(e, 3), "text": text, "tokens": tokens}
-                                   for (s, e), text, tokens in zip(self.jobs[index].spans, texts, self.tokens[a:b])])
-            self.send(index, stream_outputs(transcript, text_delta(self.sent[index], transcript), True, segments), True)
+            language = item_languages(self.tokenizer, prompts[a:b], [b - a])[0]
+            segments = segments_json(self.tokenizer, self.tokens[a:b], self.jobs[index].spans, language)
+            duration = self.jobs[index].spans[-1][1] if self.jobs[index].spans else 0.0
+            self.send(index, stream_outputs(transcript, text_delta(self.sent[index], transcript), True, segments,
+                                            language, duration), True)
 
     def _step(self, offset: int, state: "GreedyBatch") -> None:
         count = len(state.tokens)
@@ -137,12 +145,13 @@ class StreamDecode:
 
 def plan_stream_job(tokenizer: WhisperTokenizer, filters: np.ndarray, audio: np.ndarray,
                     language: np.ndarray | None, task: np.ndarray | None, max_new_tokens: np.ndarray | None,
-                    parameters: Mapping[str, Any], limits: Mapping[str, Any], **defaults) -> StreamJob:
+                    timestamps: np.ndarray | None = None, *, parameters: Mapping[str, Any],
+                    limits: Mapping[str, Any], **defaults) -> StreamJob:
     """One ``speech_recognition_stream`` request (one audio item: a stream answers one clip) → its
     job; InputError naming the input otherwise."""
     if audio.size != 1:
         raise InputError(f"input 'audio' holds {audio.size} items; a streamed transcript takes one clip per request")
     features, spans = audio_to_timed_features(as_bytes(audio.reshape(-1)[0]), filters, **limits)
-    job = plan_request(tokenizer, features[None], None, language, task, max_new_tokens, **defaults)
+    job = plan_request(tokenizer, features[None], None, language, task, max_new_tokens, timestamps, **defaults)
     partials = str(parameters.get("partials", True)).lower() != "false"
-    return StreamJob(features, spans, job.prompts[0].tolist(), int(job.max_new_tokens[0]), partials)
+    return StreamJob(features, spans, job.prompts, int(job.max_new_tokens[0]), partials)

@@ -11,7 +11,22 @@ from typing import Sequence
 import numpy as np
 
 from triton_pipelines.errors import InputError
-from triton_pipelines.pipelines.speech.config import DEFAULT_LANGUAGE, DEFAULT_TASK, LANGUAGE_CODES, TASKS
+from triton_pipelines.pipelines.speech.config import AUTO_LANGUAGE, DEFAULT_TASK, LANGUAGE_CODES, TASKS
+from triton_pipelines.pipelines.speech.timestamps import TimestampRules
+
+# Sentinels in a prompt row (``WhisperTokenizer.prompt_row``): the language slot of a window whose
+# language is detected (``detect_from(k)``: from the logits of the window k rows before it in the
+# batch, 0 = itself), and the last slot of a window decoded with timestamps (no <|notimestamps|>):
+# TIMESTAMPS_SLOT, or WORDS_SLOT for word timestamps too.
+TIMESTAMPS_SLOT = -1
+WORDS_SLOT = -2
+TIMED_SLOTS = (TIMESTAMPS_SLOT, WORDS_SLOT)
+
+
+def detect_from(k: int) -> int:
+    """The language slot of a window that takes the language detected on the window ``k`` rows
+    before it (its clip's first window; ``k`` = 0: this window)."""
+    return -1 - k
 
 
 def suppress_mask(vocab_size: int, eot: int, tokens: Sequence[int] = ()) -> np.ndarray:
@@ -54,20 +69,51 @@ class WhisperTokenizer:
         self.eot = special_tokens["<|endoftext|>"]
         self.sot = special_tokens["<|startoftranscript|>"]
         self.no_timestamps = special_tokens["<|notimestamps|>"]
+        self.timestamp_begin = self.no_timestamps + 1
+        self.language_tokens = [special_tokens[f"<|{code}|>"] for code in self.languages]
 
     @classmethod
     def for_vocab_size(cls, vocab_file: Path | str, vocab_size: int) -> "WhisperTokenizer":
         """51865 (tiny ... large-v2: 99 languages) or 51866 (large-v3: 100)."""
         return cls(vocab_file, num_languages=vocab_size - 51865 + 99)
 
-    def prompt(self, language: str = DEFAULT_LANGUAGE, task: str = DEFAULT_TASK) -> list[int]:
+    def prompt(self, language: str = "en", task: str = DEFAULT_TASK) -> list[int]:
         """``<|startoftranscript|><|language|><|task|><|notimestamps|>``; InputError for an unknown
         language code or task."""
-        if language not in self.languages:
-            raise InputError(f"unknown language {language!r}: use a Whisper language code such as 'en', 'de', 'fr'")
+        return self.prompt_row(language, task)
+
+    def prompt_row(self, language: str = "en", task: str = DEFAULT_TASK, timestamps: bool | str = False,
+                   window: int = 0) -> list[int]:
+        """A window's prompt as the 4 slots ``GreedyBatch`` takes: ``language`` ``auto`` (detected:
+        the slot ``detect_from(window)``, ``window`` being its index in its clip), ``timestamps``
+        (True or ``segment``: the last slot ``TIMESTAMPS_SLOT``, no ``<|notimestamps|>``; ``word``:
+        ``WORDS_SLOT``). InputError for an unknown language code or task."""
+        if language != AUTO_LANGUAGE and language not in self.languages:
+            raise InputError(f"unknown language {language!r}: use a Whisper language code such as 'en', 'de', 'fr', "
+                             f"or '{AUTO_LANGUAGE}' to detect it")
         if task not in TASKS:
             raise InputError(f"unknown task {task!r}: use 'transcribe' or 'translate'")
-        return [self.sot, self.special[f"<|{language}|>"], self.special[f"<|{task}|>"], self.no_timestamps]
+        slot = detect_from(window) if language == AUTO_LANGUAGE else self.special[f"<|{language}|>"]
+        last = {True: TIMESTAMPS_SLOT, "segment": TIMESTAMPS_SLOT, "word": WORDS_SLOT}.get(timestamps, self.no_timestamps)
+        return [self.sot, slot, self.special[f"<|{task}|>"], last]
+
+    def language_code(self, token: int) -> str:
+        return self.languages[token - self.sot - 1]
+
+    def language_mask(self, vocab_size: int) -> np.ndarray:
+        """Additive mask keeping only the language tokens: language detection's argmax at the
+        ``<|startoftranscript|>`` position (openai-whisper's ``detect_language``)."""
+        mask = np.full(vocab_size, -np.inf, dtype=np.float32)
+        mask[self.language_tokens] = 0.0
+        return mask
+
+    def timestamp_rules(self, vocab_size: int) -> TimestampRules:
+        """The masks of a window decoded with timestamps: ``suppress_masks`` with the timestamp
+        tokens allowed (openai-whisper and faster-whisper suppress ``<|notimestamps|>`` there)."""
+        mask, begin = self.suppress_masks(vocab_size)
+        mask, begin = mask.copy(), begin.copy()
+        mask[self.timestamp_begin:], begin[self.timestamp_begin:] = 0.0, 0.0
+        return TimestampRules(self.timestamp_begin, self.eot, mask, begin)
 
     def encode(self, text: str) -> list[int]:
         return self.encoding.encode(text)
