@@ -24,6 +24,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from triton_pipelines.pipelines.speech.config import CONFIG_PARAMETERS, MAX_TARGET_POSITIONS
 from triton_pipelines.pipelines.speech.decoding import cross_names
+from triton_pipelines.pipelines.speech.vad import VAD_MODEL_FILE
 from triton_pipelines.repository.contract import Provenance
 from triton_pipelines.stub.heap import HEAP_KEEP_PARAMETER
 
@@ -75,8 +76,22 @@ HEAP_KEEP_FREED_BYTES = 256 * 2**20
 # whisper_decode_batch waits up to 50 ms for a full decode batch (speech_recognition_batch).
 SPEECH_BATCH_VARIANT = LatencyVariant("batch", preferred_batch_sizes=(8,), max_queue_delay_microseconds=50000)
 # What each compute model is of the whole Whisper (its model table row and config's architecture).
+# Where audio_features' Silero VAD comes from (its provenance line in docs/speech.md).
+VAD_PACKAGE = "faster-whisper==1.2.1"
 ROLES = {"whisper_encoder": "encoder + cross-attention K/V",
          "whisper_decoder": "decoder step with self-attention KV cache"}
+
+
+def vad_model_path() -> Path:
+    """Silero VAD v6 (MIT) in the assets of the faster-whisper package (requirements.txt; never imported)."""
+    spec = importlib.util.find_spec("faster_whisper")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("faster-whisper is not installed (its Silero VAD file is audio_features' VAD): "
+                           "run `make install`")
+    path = Path(list(spec.submodule_search_locations)[0]) / "assets" / VAD_MODEL_FILE
+    if not path.is_file():
+        raise RuntimeError(f"{path} is missing: faster-whisper {VAD_PACKAGE} ships it")
+    return path
 
 
 def whisper_assets_dir() -> Path:
@@ -309,6 +324,7 @@ class SpeechPipeline(Pipeline):
         assets = whisper_assets_dir()
         if model_name in ("audio_features", "speech_recognition_stream"):
             shutil.copy2(assets / "mel_filters.npz", version_dir / "mel_filters.npz")
+            shutil.copy2(vad_model_path(), version_dir / VAD_MODEL_FILE)
         if model_name in ("whisper_decode", "speech_recognition_stream"):
             shutil.copy2(assets / "multilingual.tiktoken", version_dir / "multilingual.tiktoken")
 

@@ -59,8 +59,9 @@ def plan_request(tokenizer: WhisperTokenizer, features: np.ndarray, num_windows:
     ``max_new_tokens`` may lower the configured bound, never raise it past Whisper's 444."""
     items, padded = features.shape[0], features.shape[1]
     counts = [padded] * items if num_windows is None else [int(c) for c in num_windows.reshape(-1)]
-    if len(counts) != items or any(c < 1 or c > padded for c in counts):
-        raise InputError(f"input 'num_windows' must hold one count in 1..{padded} per item, got {counts}")
+    # 0: an item without speech (audio_features' VAD), decoded to an empty transcript.
+    if len(counts) != items or any(c < 0 or c > padded for c in counts):
+        raise InputError(f"input 'num_windows' must hold one count in 0..{padded} per item, got {counts}")
     limit = MAX_TARGET_POSITIONS - PROMPT_LENGTH
     bounds = [min(default_max_new_tokens, limit)] * items
     if max_new_tokens is not None:
