@@ -390,15 +390,11 @@ def test_noise_and_silence_alone_give_no_words(client, http_client, reference):
 def test_a_long_file_is_cut_at_speech_boundaries(client, reference):
     """12 utterances 3 s apart (78 s): VAD leaves the pauses out and packs the utterances into 2
     windows (3 without it), none cut inside an utterance (tests/unit/pipelines/test_speech_vad.py),
-    and the server decodes those windows: every utterance is transcribed once."""
-    from tools.speech_eval import word_errors
-
+    and the server decodes those windows as the reference does. (Its word error rate on distinct
+    sentences: test_speech_quality.py.)"""
     speech = soundfile.read(io.BytesIO(HELLO), dtype="float32")[0]
     pause = np.zeros(3 * SAMPLE_RATE, np.float32)
     long_audio = wav_bytes(np.concatenate([speech] + [np.concatenate([pause, speech])] * 11))
     assert len(reference.encoded(long_audio, vad=True)) == 2 and len(reference.encoded(long_audio, vad=False)) == 3
-    out = transcribe(client, [long_audio], [150])
-    assert ids_of(out["token_ids"][0]) == reference.tokens(long_audio, max_new_tokens=150, vad=True)
-    one = reference.transcript(HELLO, max_new_tokens=30)
-    text = out["transcript"][0, 0].decode()
-    assert word_errors(" ".join([one] * 12), text).wer <= 0.1, text
+    out = transcribe(client, [long_audio], [40])
+    assert ids_of(out["token_ids"][0]) == reference.tokens(long_audio, max_new_tokens=40, vad=True)

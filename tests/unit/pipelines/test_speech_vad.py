@@ -215,3 +215,15 @@ def test_an_item_without_speech_decodes_to_an_empty_transcript():
     job = plan_request(tokenizer, empty, none.reshape(-1, 1))
     out = transcript_outputs(tokenizer, decode_jobs([job], 4, lambda *args: pytest.fail("nothing to decode"))[0])
     assert out["transcript"][0, 0] == b"" and out["token_ids"].shape == (1, 0)
+
+
+def test_a_request_without_speech_joins_a_batch_of_requests_with_speech():
+    """Jobs of one whisper_decode batch are joined window-wise: a job with 0 windows adds none."""
+    tokenizer = WhisperTokenizer(whisper_assets_dir() / "multilingual.tiktoken")
+    empty, none = pad_windows([np.zeros((0, 80, 3000), np.float32)])
+    full, one = pad_windows([np.ones((1, 80, 3000), np.float32)])
+    jobs = [plan_request(tokenizer, empty, none.reshape(-1, 1)), plan_request(tokenizer, full, one.reshape(-1, 1))]
+    assert jobs[0].prompts.shape == (0, 4) and jobs[1].prompts.shape == (1, 4)
+    word = tokenizer.encode(" hi")[0]
+    result = decode_jobs(jobs, 4, lambda f, p, b, on_step: [[word] for _ in range(len(f))])
+    assert result == [[[]], [[[word]]]]

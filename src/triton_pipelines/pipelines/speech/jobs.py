@@ -79,7 +79,7 @@ def plan_request(tokenizer: WhisperTokenizer, features: np.ndarray, num_windows:
         windows = np.concatenate([features[i, :counts[i]] for i in range(items)])
     windows = windows.astype(np.float32, copy=False)
     per_window = lambda values: [v for i, v in enumerate(values) for _ in range(counts[i])]  # noqa: E731
-    return DecodeJob(windows, np.array(per_window(prompts), dtype=np.int64),
+    return DecodeJob(windows, np.array(per_window(prompts), dtype=np.int64).reshape(-1, len(prompts[0])),
                      np.array(per_window(bounds), dtype=np.int64), counts)
 
 
