@@ -1,25 +1,26 @@
 """speech_recognition (real Whisper base) through Triton next to faster-whisper on the same
 weights, the same clips and the same cores.
 
-Clips: the speech corpus of the quality tests (``tools.speech_eval.CORPUS``: 24 sentences
-in English, German and Spanish spoken by espeak-ng, 2–5 s each), each sent with its language.
-Every system decodes greedily without timestamps and reports audio seconds per wall second, RTF
-(latency / clip duration) at concurrency 1 and at saturation, and WER on the same clips.
+Two jobs, each with its WER:
 
-- ours: the ``speech_recognition`` ensemble over gRPC, one clip per request; concurrency 1 sends
-  the clips one after another, saturation keeps ``SATURATION`` requests in flight.
-  Ours, faster-whisper float32 and int8 are measured in turn ``ROUNDS`` times, so that the load of
-  the shared machine drifts across them alike; the report gives the ratios round by round.
-- ours int8 (in process): the same ONNX graphs after ONNX Runtime dynamic int8 quantization, in
-  the same greedy loop in process, to see whether an int8 variant would close the gap to
-  faster-whisper int8.
-- faster-whisper float32 / int8: ``WhisperModel.transcribe`` (its own features and loop),
-  ``beam_size=1``, ``temperature=0``, no VAD, no conditioning on previous text; concurrency 1 is
-  one model with 2 threads; saturation is ``num_workers=2`` with 1 thread each and 2 clips in
-  flight (its way to serve parallel requests).
-- faster-whisper batched: ``BatchedInferencePipeline`` (batch 8) on each language's clips joined
-  into one file (its VAD cuts them back into segments): the batched pipeline batches the segments
-  of one file, not separate requests.
+1. **Mixed-length clips** (``Clips``): the sentences of the speech corpus (``tools.speech_eval``:
+   English, German, Spanish, spoken by espeak-ng) joined in runs of 1 to 5 (0.6 s apart), 3–25 s
+   each, each sent with its language. Ours (the ``speech_recognition`` ensemble over gRPC, one
+   clip per request: concurrency 1, and ``SATURATION`` requests in flight), faster-whisper float32
+   and int8 (``WhisperModel.transcribe``: one model with 2 threads for concurrency 1,
+   ``num_workers=2`` × 1 thread with 2 clips in flight at saturation) are measured in turn
+   ``ROUNDS`` times, so that the load of the shared machine drifts across them alike; the report
+   gives the ratios round by round.
+2. **One long file** (``LongFile``): the English sentences three times over, pauses of 0.6 s and
+   2.5 s in turn (about 3 minutes). Ours: one request (VAD packs the speech into full windows,
+   decoded together), and the same with ``vad_filter`` false (windows cut in pauses);
+   faster-whisper's ``BatchedInferencePipeline`` (batch 8, its VAD packing the same way), int8 and
+   float32.
+
+Plus our graphs in process (the same greedy loop, batches of 8 clips): float32, and the encoder
+quantized as the builder's ``--whisper-int8`` quantizes it (``repo_builder.export.whisper``).
+Every system decodes greedily without timestamps, without conditioning on earlier text; ours and
+the batched pipeline with VAD (our default), faster-whisper's ``transcribe`` without (its default).
 """
 
 from __future__ import annotations
@@ -36,9 +37,10 @@ from triton_pipelines.client import TritonClient, text_tensor
 from triton_pipelines.pipelines.speech.audio import decode_audio
 from triton_pipelines.pipelines.speech.config import SAMPLE_RATE
 from triton_pipelines.pipelines.speech.features import audio_to_features, load_mel_filters
-from triton_pipelines.pipelines.speech.jobs import join_transcript
+from triton_pipelines.pipelines.speech.jobs import group_windows, join_transcript
 from triton_pipelines.pipelines.speech.reference import WhisperOnnx
 from triton_pipelines.pipelines.speech.tokenizer import WhisperTokenizer
+from triton_pipelines.pipelines.speech.vad import VAD_MODEL_FILE, SileroVad
 from tools.speech_eval import CORPUS, FasterWhisperGreedy, corpus_wer, join_clips, speak
 
 from .perf import BENCH_DIR, markdown_table
@@ -46,6 +48,12 @@ from .perf import BENCH_DIR, markdown_table
 ROOT = Path(__file__).resolve().parents[1]
 SATURATION = 8  # requests in flight for our pipeline (whisper_decode batches up to 8)
 THREADS = 2
+ROUNDS = 2
+# Each language's sentences joined in runs of these many: clips of 3–25 s.
+RUNS = {"en": (1, 2, 3, 5, 1), "de": (1, 2, 3), "es": (1, 2, 3)}
+LONG_FILE_REPEATS = 3
+LONG_FILE_GAPS = (0.6, 2.5)
+BATCHED_SIZE = 8
 
 
 def load_average() -> str:
@@ -53,16 +61,35 @@ def load_average() -> str:
 
 
 class Clips:
+    """The mixed-length clips: WAV bytes, 16 kHz samples, durations, languages, reference texts."""
+
     def __init__(self):
-        self.wavs = [speak(s.text, s.language) for s in CORPUS]
+        self.wavs, self.languages, self.references = [], [], []
+        for language, runs in RUNS.items():
+            sentences = [s.text for s in CORPUS if s.language == language]
+            at = 0
+            for count in runs:
+                group, at = sentences[at:at + count], at + count
+                self.wavs.append(join_clips([speak(text, language) for text in group])[0])
+                self.languages.append(language)
+                self.references.append(" ".join(group))
         self.audio = [decode_audio(wav) for wav in self.wavs]  # 16 kHz mono, what everyone decodes
         self.seconds = [len(a) / SAMPLE_RATE for a in self.audio]
-        self.languages = [s.language for s in CORPUS]
-        self.references = [s.text for s in CORPUS]
 
     @property
     def total_seconds(self) -> float:
         return sum(self.seconds)
+
+
+class LongFile:
+    """One English file of a few minutes, with its reference text."""
+
+    def __init__(self):
+        sentences = [s.text for s in CORPUS if s.language == "en"] * LONG_FILE_REPEATS
+        self.wav = join_clips([speak(text) for text in sentences], gap_seconds=LONG_FILE_GAPS)[0]
+        self.audio = decode_audio(self.wav)
+        self.seconds = len(self.audio) / SAMPLE_RATE
+        self.reference = " ".join(sentences)
 
 
 def measure(clips: Clips, transcribe, concurrency: int) -> dict:
@@ -95,14 +122,21 @@ class Ours:
         self.clients: list[TritonClient] = []
         self.transcribe(0)  # warm-up
 
-    def transcribe(self, index: int) -> str:
+    def client(self) -> TritonClient:
         client = getattr(self.local, "client", None)
         if client is None:
             client = self.local.client = TritonClient("grpc", self.server.grpc_url)
             self.clients.append(client)
-        out = client.infer(self.model, {"audio": text_tensor([self.clips.wavs[index]]),
-                                        "language": text_tensor([self.clips.languages[index]])})
-        return out["transcript"][0, 0].decode()
+        return client
+
+    def infer(self, wav: bytes, language: str, vad_filter: bool | None = None) -> str:
+        inputs = {"audio": text_tensor([wav]), "language": text_tensor([language])}
+        if vad_filter is not None:
+            inputs["vad_filter"] = np.array([[vad_filter]])
+        return self.client().infer(self.model, inputs)["transcript"][0, 0].decode()
+
+    def transcribe(self, index: int) -> str:
+        return self.infer(self.clips.wavs[index], self.clips.languages[index])
 
     def run(self, concurrency: int) -> dict:
         return measure(self.clips, self.transcribe, SATURATION if concurrency > 1 else 1)
@@ -132,32 +166,20 @@ class FasterWhisper:
         pass
 
 
-def quantized(source: Path) -> Path:
-    """ONNX Runtime dynamic int8 quantization (per-tensor int8 weights; per-channel measured worse:
-    it made German loop) of one of our graphs, cached under .bench/."""
-    from onnxruntime.quantization import QuantType, quantize_dynamic
-
-    folder = BENCH_DIR / "whisper-int8"
-    folder.mkdir(parents=True, exist_ok=True)
-    target = folder / (source.parent.parent.name + ".onnx")
-    if not target.exists() or target.stat().st_mtime < source.stat().st_mtime:
-        quantize_dynamic(str(source), str(target), weight_type=QuantType.QInt8)
-    return target
-
-
-def ours_in_process(repository: Path, clips: Clips, int8: tuple[str, ...] = ()) -> dict:
-    """Our graphs (those named in ``int8`` quantized) in our greedy loop, in process, one clip at a
-    time and in batches of 8."""
-    graphs = {name: repository / name / "1" / "model.onnx" for name in ("whisper_encoder", "whisper_decoder")}
-    graphs.update({name: quantized(graphs[name]) for name in int8})
-    whisper = WhisperOnnx(graphs["whisper_encoder"], graphs["whisper_decoder"], intra_op_threads=THREADS)
+def ours_in_process(repository: Path, clips: Clips, encoder: Path | None = None) -> dict:
+    """Our graphs (``encoder`` instead of the served one) in our greedy loop, in process, with
+    the served VAD windowing, one clip at a time and in batches of 8 clips."""
+    encoder = encoder or repository / "whisper_encoder" / "1" / "model.onnx"
+    whisper = WhisperOnnx(encoder, repository / "whisper_decoder" / "1" / "model.onnx", intra_op_threads=THREADS)
     filters = load_mel_filters(repository / "audio_features" / "1" / "mel_filters.npz", whisper.shape.n_mels)
     tokenizer = WhisperTokenizer(repository / "whisper_decode" / "1" / "multilingual.tiktoken")
+    vad = SileroVad(repository / "audio_features" / "1" / VAD_MODEL_FILE)
 
     def run(indices: list[int]) -> list[str]:
-        features = np.concatenate([audio_to_features(clips.wavs[i], filters) for i in indices])
-        prompts = np.array([tokenizer.prompt(clips.languages[i]) for i in indices])
-        return [join_transcript(tokenizer, [tokens]) for tokens in whisper.decode_windows(features, prompts, tokenizer, 224)]
+        features = [audio_to_features(clips.wavs[i], filters, vad=vad) for i in indices]
+        prompts = np.array([tokenizer.prompt(clips.languages[i]) for i, f in zip(indices, features) for _ in f])
+        tokens = whisper.decode_windows(np.concatenate(features), prompts, tokenizer, 224)
+        return [join_transcript(tokenizer, item) for item in group_windows(tokens, [len(f) for f in features])]
 
     run([0])  # warm-up
     result = {"c1": measure(clips, lambda i: run([i])[0], 1)}
@@ -170,116 +192,148 @@ def ours_in_process(repository: Path, clips: Clips, int8: tuple[str, ...] = ()) 
     return result
 
 
-def faster_whisper_batched(model_dir: Path, clips: Clips, compute_type: str) -> dict:
+def served_int8(repository: Path) -> bool:
+    """Whether the repository was built with ``--whisper-int8`` (its provenance says so)."""
+    from repo_builder.export.whisper import ENCODER_INT8_NOTE
+
+    return ENCODER_INT8_NOTE in (repository / "whisper_encoder" / "config.pbtxt").read_text()
+
+
+def encoders(repository: Path) -> tuple[Path, Path]:
+    """The float32 and the int8 encoder (as ``--whisper-int8`` quantizes it): the served one, the
+    other made under .bench/ (quantized from the served float32, or exported from the packaged
+    weights when the served one is int8)."""
+    from repo_builder.export.whisper import WhisperSource, export_encoder, quantize_encoder
+
+    served = repository / "whisper_encoder" / "1" / "model.onnx"
+    other = BENCH_DIR / ("whisper-float32" if served_int8(repository) else "whisper-int8") / "whisper_encoder.onnx"
+    other.parent.mkdir(parents=True, exist_ok=True)
+    if not other.exists() or other.stat().st_mtime < served.stat().st_mtime:
+        if served_int8(repository):
+            export_encoder(WhisperSource("pretrained"), other)
+        else:
+            quantize_encoder(served, other)
+    return (other, served) if served_int8(repository) else (served, other)
+
+
+def long_file_ours(ours: Ours, long: LongFile, vad_filter: bool) -> dict:
+    ours.infer(long.wav, "en", vad_filter)  # warm-up (and the same windows twice)
+    started = time.perf_counter()
+    text = ours.infer(long.wav, "en", vad_filter)
+    wall = time.perf_counter() - started
+    return {"audio_per_s": long.seconds / wall, "wer": corpus_wer([(long.reference, text)])}
+
+
+def long_file_batched(model_dir: Path, long: LongFile, compute_type: str) -> dict:
     from faster_whisper import BatchedInferencePipeline, WhisperModel
 
     model = WhisperModel(str(model_dir), device="cpu", compute_type=compute_type, cpu_threads=THREADS,
                          local_files_only=True)
     pipeline = BatchedInferencePipeline(model)
-    pairs, wall = [], 0.0
-    for language in sorted(set(clips.languages)):
-        indices = [i for i, lang in enumerate(clips.languages) if lang == language]
-        joined, _ = join_clips([clips.wavs[i] for i in indices])
-        audio = decode_audio(joined)
-        if language == clips.languages[0] and not pairs:
-            list(pipeline.transcribe(audio[:SAMPLE_RATE * 5], language=language, batch_size=8)[0])  # warm-up
-        started = time.perf_counter()
-        segments, _ = pipeline.transcribe(audio, language=language, batch_size=8, beam_size=1, temperature=0.0,
-                                          without_timestamps=True, condition_on_previous_text=False)
-        text = " ".join(segment.text.strip() for segment in segments)
-        wall += time.perf_counter() - started
-        pairs.append((" ".join(clips.references[i] for i in indices), text))
-    return {"sat": {"audio_per_s": clips.total_seconds / wall, "rtf_p50": float("nan"),
-                    "wer": corpus_wer(pairs), "texts": []}}
+    options = dict(language="en", batch_size=BATCHED_SIZE, beam_size=1, temperature=0.0, without_timestamps=True,
+                   condition_on_previous_text=False)
+    list(pipeline.transcribe(long.audio[:SAMPLE_RATE * 30], **options)[0])  # warm-up
+    started = time.perf_counter()
+    text = " ".join(segment.text.strip() for segment in pipeline.transcribe(long.audio, **options)[0])
+    wall = time.perf_counter() - started
+    return {"audio_per_s": long.seconds / wall, "wer": corpus_wer([(long.reference, text)])}
 
 
-ROUNDS = 2
+MAIN = ("ours: Triton speech_recognition", "faster-whisper float32", "faster-whisper int8")
 
 
-def run(server) -> str:
-    from repo_builder.ct2_whisper import write_ctranslate2_dir
-
-    repository = Path(server.options.model_repository)
-    clips = Clips()
-    model_dir = write_ctranslate2_dir(BENCH_DIR / "faster-whisper-base")
-    load_before = load_average()
-    # The three systems of the target, measured in turn ROUNDS times (c=1, then saturation), so
-    # that the load of this shared machine drifts across all of them alike.
-    main = {"ours: Triton speech_recognition": Ours(server, clips),
-            "faster-whisper float32": FasterWhisper(model_dir, clips, "float32"),
-            "faster-whisper int8": FasterWhisper(model_dir, clips, "int8")}
-    rounds = {name: [] for name in main}
+def measure_all(server, repository: Path, model_dir: Path, clips: Clips, long: LongFile) -> dict:
+    """Every measurement of the report, in the order the docstring gives."""
+    systems = {MAIN[0]: Ours(server, clips), MAIN[1]: FasterWhisper(model_dir, clips, "float32"),
+               MAIN[2]: FasterWhisper(model_dir, clips, "int8")}
+    rounds = {name: [] for name in systems}
     for _ in range(ROUNDS):
-        for name, system in main.items():
+        for name, system in systems.items():
             rounds[name].append({"c1": system.run(1), "sat": system.run(SATURATION)})
-    for system in main.values():
+    long_results = {"ours, VAD (default)": long_file_ours(systems[MAIN[0]], long, True),
+                    "ours, vad_filter false": long_file_ours(systems[MAIN[0]], long, False)}
+    for system in systems.values():
         system.close()
-    del main
-    results = {name: {key: mean_result([r[key] for r in runs]) for key in ("c1", "sat")}
-               for name, runs in rounds.items()}
-    results["faster-whisper float32 batched (batch 8)"] = faster_whisper_batched(model_dir, clips, "float32")
-    results["faster-whisper int8 batched (batch 8)"] = faster_whisper_batched(model_dir, clips, "int8")
-    results["ours in process, float32 ONNX"] = ours_in_process(repository, clips)
-    results["ours in process, int8 encoder + decoder (ORT dynamic)"] = ours_in_process(
-        repository, clips, ("whisper_encoder", "whisper_decoder"))
-    results["ours in process, int8 encoder only"] = ours_in_process(repository, clips, ("whisper_encoder",))
-    load_after = load_average()
-
-    def cell(result: dict | None, key: str):
-        return "—" if result is None or result.get(key) != result.get(key) else result[key]
-
-    rows = []
-    for name, result in results.items():
-        c1, sat = result.get("c1"), result.get("sat")
-        rows.append([name, cell(c1, "audio_per_s"), cell(c1, "rtf_p50"), cell(sat, "audio_per_s"),
-                     cell(sat, "rtf_p50"), f"{(c1 or sat)['wer']:.1%}"])
-    ours_name, fw32_name, fw8_name = "ours: Triton speech_recognition", "faster-whisper float32", "faster-whisper int8"
-    ratio = lambda a, b, key: [x[key]["audio_per_s"] / y[key]["audio_per_s"]  # noqa: E731
-                               for x, y in zip(rounds[a], rounds[b])]
-    per_round = lambda values: " / ".join(f"{v:.0%}" for v in values)  # noqa: E731
-    sat32, sat8, c1_32 = ratio(ours_name, fw32_name, "sat"), ratio(ours_name, fw8_name, "sat"), ratio(ours_name, fw32_name, "c1")
-    wer_ours, wer_fw32 = results[ours_name]["c1"]["wer"], results[fw32_name]["c1"]["wer"]
-    int8 = results["ours in process, int8 encoder + decoder (ORT dynamic)"]
-    int8_encoder = results["ours in process, int8 encoder only"]
-    fp32_local = results["ours in process, float32 ONNX"]
-    names = {"en": "English", "de": "German", "es": "Spanish"}
-    counts = ", ".join(f"{names[lang]} {clips.languages.count(lang)}" for lang in dict.fromkeys(clips.languages))
-    lines = [
-        "## speech_recognition (Whisper base, real weights) vs faster-whisper",
-        "",
-        f"Clips: the {len(clips.wavs)} sentences of the speech quality tests ({counts}; espeak-ng, "
-        f"{min(clips.seconds):.1f}–{max(clips.seconds):.1f} s, {clips.total_seconds:.0f} s in all), each with its "
-        "language; the same Whisper base weights (faster-whisper 1.2.1 reads the packages' model.bin, we serve "
-        "the ONNX converted from it); greedy, no timestamps, no VAD, no conditioning on earlier text, 2 CPU "
-        "threads per system. \"audio s/s\": audio seconds transcribed per wall second (higher is better); "
-        f"RTF: median latency / clip duration. Saturation: {SATURATION} requests in flight for Triton, 2 workers "
-        "× 1 thread with 2 clips in flight for faster-whisper, batches of 8 for the in-process loop, one "
-        "joined file per language for the batched pipeline (its VAD cuts it into segments of several "
-        f"sentences, which is why its WER is not comparable: more context per window). The first three rows "
-        f"are the mean of {ROUNDS} rounds measured in turn (c=1 then saturation, system after system); the others once.",
-        "",
-        markdown_table(["system", "c=1 audio s/s", "c=1 RTF", "saturation audio s/s", "saturation RTF", "WER"], rows),
-        "",
-        f"**Ours / faster-whisper float32 at saturation: {per_round(sat32)}** (round by round; target ≥ 100%); "
-        f"at concurrency 1: {per_round(c1_32)}.",
-        f"**WER: ours {wer_ours:.1%}, faster-whisper float32 {wer_fw32:.1%}** ({(wer_ours - wer_fw32) * 100:+.1f} points; "
-        "target within 1 point). The tokens are identical on the same features (parity test); the difference is "
-        "the features: faster-whisper pads the log-mel of a short clip with 0.0, we pad the audio (as Whisper "
-        "was trained), see docs/speech.md.",
-        f"Distance to faster-whisper int8 at saturation: ours reaches {per_round(sat8)} of its throughput. "
-        "Our graphs after ONNX Runtime dynamic int8 quantization, in process, batches of 8: both graphs "
-        f"{int8['sat']['audio_per_s'] / fp32_local['sat']['audio_per_s']:.2f}× the float32 graphs' throughput at "
-        f"WER {int8['c1']['wer']:.1%}, the encoder alone {int8_encoder['sat']['audio_per_s'] / fp32_local['sat']['audio_per_s']:.2f}× "
-        f"at WER {int8_encoder['c1']['wer']:.1%}, against {fp32_local['c1']['wer']:.1%} in float32.",
-        "",
-        f"Load average (1/5/15 min) before: {load_before}; after: {load_after} (2 cores). This machine is shared: "
-        "other engineers' builds and tests ran during the measurement, so absolute numbers are low and noisy; "
-        "compare systems within one round.",
-    ]
-    return "\n".join(lines)
+    del systems
+    for compute_type in ("int8", "float32"):
+        long_results[f"faster-whisper {compute_type} batched (batch {BATCHED_SIZE})"] = long_file_batched(
+            model_dir, long, compute_type)
+    float32, int8 = encoders(repository)
+    in_process = {"ours in process, float32 ONNX": ours_in_process(repository, clips, float32),
+                  "ours in process, int8 encoder (--whisper-int8)": ours_in_process(repository, clips, int8)}
+    return {"rounds": rounds, "long": long_results, "in_process": in_process}
 
 
 def mean_result(results: list[dict]) -> dict:
     return {"audio_per_s": statistics.mean(r["audio_per_s"] for r in results),
             "rtf_p50": statistics.mean(r["rtf_p50"] for r in results),
             "wer": results[0]["wer"], "texts": results[0]["texts"]}
+
+
+def cell(result: dict | None, key: str):
+    return "—" if result is None or result.get(key) != result.get(key) else result[key]
+
+
+def report(measured: dict, clips: Clips, long: LongFile, repository: Path, loads: tuple[str, str]) -> str:
+    rounds, long_results = measured["rounds"], measured["long"]
+    results = {name: {key: mean_result([r[key] for r in runs]) for key in ("c1", "sat")} for name, runs in rounds.items()}
+    results.update(measured["in_process"])
+    rows = [[name, cell(r["c1"], "audio_per_s"), cell(r["c1"], "rtf_p50"), cell(r["sat"], "audio_per_s"),
+             cell(r["sat"], "rtf_p50"), f"{r['c1']['wer']:.1%}"] for name, r in results.items()]
+    long_rows = [[name, r["audio_per_s"], f"{r['wer']:.1%}"] for name, r in long_results.items()]
+    ratio = lambda a, b, key: [x[key]["audio_per_s"] / y[key]["audio_per_s"]  # noqa: E731
+                               for x, y in zip(rounds[a], rounds[b])]
+    per_round = lambda values: " / ".join(f"{v:.0%}" for v in values)  # noqa: E731
+    wer = {name: results[name]["c1"]["wer"] for name in MAIN}
+    ours_long, batched = long_results["ours, VAD (default)"], long_results[f"faster-whisper int8 batched (batch {BATCHED_SIZE})"]
+    built_int8 = served_int8(repository)
+    fp32, int8 = measured["in_process"].values()
+    return "\n".join([
+        "## speech_recognition (Whisper base, real weights) vs faster-whisper",
+        "",
+        f"Mixed-length clips: the {len(CORPUS)} corpus sentences (espeak-ng; English, German, Spanish) joined in "
+        f"runs of 1–5, {len(clips.wavs)} clips of {min(clips.seconds):.1f}–{max(clips.seconds):.1f} s "
+        f"({clips.total_seconds:.0f} s in all), each with its language; the same Whisper base weights "
+        "(faster-whisper 1.2.1 reads the packages' model.bin, we serve the ONNX converted from it"
+        f"{', encoder int8 (--whisper-int8)' if built_int8 else ''}); greedy, no timestamps, no conditioning "
+        "on earlier text, 2 CPU threads per system; ours with its default VAD, faster-whisper's transcribe "
+        "without (its default). \"audio s/s\": audio seconds transcribed per wall second; RTF: median "
+        f"latency / clip duration. Saturation: {SATURATION} requests in flight for ours, 2 workers × 1 thread "
+        "with 2 clips in flight for faster-whisper, batches of 8 clips in process. The first three rows are "
+        f"the mean of {ROUNDS} rounds measured in turn; the others once.",
+        "",
+        markdown_table(["system", "c=1 audio s/s", "c=1 RTF", "saturation audio s/s", "saturation RTF", "WER"], rows),
+        "",
+        f"**Ours / faster-whisper int8 at saturation: {per_round(ratio(MAIN[0], MAIN[2], 'sat'))}** (round by "
+        f"round; target ≥ 100%); ours / float32: {per_round(ratio(MAIN[0], MAIN[1], 'sat'))}; at concurrency 1: "
+        f"{per_round(ratio(MAIN[0], MAIN[2], 'c1'))} of int8, {per_round(ratio(MAIN[0], MAIN[1], 'c1'))} of float32.",
+        f"**WER: ours {wer[MAIN[0]]:.1%}, faster-whisper float32 {wer[MAIN[1]]:.1%}, int8 {wer[MAIN[2]]:.1%}** "
+        f"({(wer[MAIN[0]] - wer[MAIN[1]]) * 100:+.1f} points against float32; target within 1 point).",
+        f"In process, batches of 8: the int8 encoder runs {int8['sat']['audio_per_s'] / fp32['sat']['audio_per_s']:.2f}× "
+        f"the float32 graphs' throughput at WER {int8['c1']['wer']:.1%} (float32 {fp32['c1']['wer']:.1%}).",
+        "",
+        f"One long file: the English sentences {LONG_FILE_REPEATS} times over, pauses of "
+        f"{' and '.join(f'{g:g}' for g in LONG_FILE_GAPS)} s in turn ({long.seconds:.0f} s), one request for ours "
+        "(after one warm-up request of the same file), one transcribe call for the batched pipeline:",
+        "",
+        markdown_table(["system", "audio s/s", "WER"], long_rows),
+        "",
+        f"**Ours / BatchedInferencePipeline int8 (batch {BATCHED_SIZE}): {ours_long['audio_per_s'] / batched['audio_per_s']:.0%}** "
+        f"(target ≥ 80%); WER {ours_long['wer']:.1%} against {batched['wer']:.1%} "
+        f"({(ours_long['wer'] - batched['wer']) * 100:+.1f} points; target within 2).",
+        "",
+        f"Load average (1/5/15 min) before: {loads[0]}; after: {loads[1]} (2 cores). This machine is shared: "
+        "other engineers' builds and tests ran during the measurement, so absolute numbers are low and noisy; "
+        "compare systems within one round.",
+    ])
+
+
+def run(server) -> str:
+    from repo_builder.ct2_whisper import write_ctranslate2_dir
+
+    repository = Path(server.options.model_repository)
+    clips, long = Clips(), LongFile()
+    model_dir = write_ctranslate2_dir(BENCH_DIR / "faster-whisper-base")
+    before = load_average()
+    measured = measure_all(server, repository, model_dir, clips, long)
+    return report(measured, clips, long, repository, (before, load_average()))

@@ -83,9 +83,9 @@ def wav_samples(data: bytes) -> tuple[np.ndarray, int]:
     return samples, rate
 
 
-def join_clips(clips: Sequence[bytes], gap_seconds: float = SENTENCE_GAP_SECONDS) -> tuple[bytes, list[float]]:
-    """WAV clips of one rate → one WAV with ``gap_seconds`` of silence between them, and the
-    start time (s) of each clip in it."""
+def join_clips(clips: Sequence[bytes], gap_seconds: float | Sequence[float] = SENTENCE_GAP_SECONDS) -> tuple[bytes, list[float]]:
+    """WAV clips of one rate → one WAV with ``gap_seconds`` of silence between them (a sequence:
+    its gaps in turn, cycled), and the start time (s) of each clip in it."""
     import soundfile
 
     parts, starts, position, rate = [], [], 0, None
@@ -95,7 +95,8 @@ def join_clips(clips: Sequence[bytes], gap_seconds: float = SENTENCE_GAP_SECONDS
             raise ValueError("join_clips needs clips of one sample rate")
         rate = clip_rate
         if parts:
-            gap = np.zeros(int(gap_seconds * rate), np.float32)
+            seconds = gap_seconds if isinstance(gap_seconds, (int, float)) else gap_seconds[(len(starts) - 1) % len(gap_seconds)]
+            gap = np.zeros(int(seconds * rate), np.float32)
             parts.append(gap)
             position += len(gap)
         starts.append(position / rate)

@@ -24,14 +24,16 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from triton_pipelines.pipelines.speech.config import CONFIG_PARAMETERS, MAX_TARGET_POSITIONS
 from triton_pipelines.pipelines.speech.decoding import cross_names
+from triton_pipelines.pipelines.speech.vad import VAD_MODEL_FILE
 from triton_pipelines.repository.contract import Provenance
 from triton_pipelines.stub.heap import HEAP_KEEP_PARAMETER
 
 from . import ct2_whisper
 from .compute import ComputeModel, LatencyVariant, TensorSpec
-from .export.whisper import (ENCODER_POSITIONS, N_FRAMES, RANDOM_INIT_STD, RANDOM_SEED, WHISPER_SIZES, WhisperSource,
-                             alignment_heads, describe_architecture, export_decoder, export_encoder, parameter_count,
-                             size_name, whisper_config_dict)
+from .export.whisper import (ENCODER_INT8, ENCODER_INT8_NOTE, ENCODER_POSITIONS, N_FRAMES, RANDOM_INIT_STD,
+                             RANDOM_SEED, WHISPER_SIZES, WhisperSource, alignment_heads, describe_architecture,
+                             export_decoder, export_encoder, export_encoder_int8, parameter_count, size_name,
+                             whisper_config_dict)
 from .hub import ResolvedModel, WeightsError, resolve_model, resolve_optional
 from .pipeline import BuildContext, Pipeline
 
@@ -75,8 +77,22 @@ HEAP_KEEP_FREED_BYTES = 256 * 2**20
 # whisper_decode_batch waits up to 50 ms for a full decode batch (speech_recognition_batch).
 SPEECH_BATCH_VARIANT = LatencyVariant("batch", preferred_batch_sizes=(8,), max_queue_delay_microseconds=50000)
 # What each compute model is of the whole Whisper (its model table row and config's architecture).
+# Where audio_features' Silero VAD comes from (its provenance line in docs/speech.md).
+VAD_PACKAGE = "faster-whisper==1.2.1"
 ROLES = {"whisper_encoder": "encoder + cross-attention K/V",
          "whisper_decoder": "decoder step with self-attention KV cache"}
+
+
+def vad_model_path() -> Path:
+    """Silero VAD v6 (MIT) in the assets of the faster-whisper package (requirements.txt; never imported)."""
+    spec = importlib.util.find_spec("faster_whisper")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("faster-whisper is not installed (its Silero VAD file is audio_features' VAD): "
+                           "run `make install`")
+    path = Path(list(spec.submodule_search_locations)[0]) / "assets" / VAD_MODEL_FILE
+    if not path.is_file():
+        raise RuntimeError(f"{path} is missing: faster-whisper {VAD_PACKAGE} ships it")
+    return path
 
 
 def whisper_assets_dir() -> Path:
@@ -194,25 +210,28 @@ def cross_attention_specs(arch: dict) -> tuple[TensorSpec, ...]:
     return tuple(specs)
 
 
-def role_provenance(source: WhisperSource, model: str) -> Provenance | None:
-    """The source's provenance, its architecture naming what ``model`` is of the whole Whisper."""
+def role_provenance(source: WhisperSource, model: str, note: str = "") -> Provenance | None:
+    """The source's provenance, its architecture naming what ``model`` is of the whole Whisper
+    (and ``note``: how it was changed, e.g. quantized)."""
     if source.provenance is None:
         return None
-    return replace(source.provenance, architecture=f"{source.provenance.architecture}: {ROLES[model]}")
+    return replace(source.provenance, architecture=f"{source.provenance.architecture}: {ROLES[model]}"
+                                                   f"{'; ' + note if note else ''}")
 
 
-def encoder_model(source: WhisperSource, target: str) -> ComputeModel:
+def encoder_model(source: WhisperSource, target: str, int8: bool = False) -> ComputeModel:
+    """``int8`` (``--whisper-int8``): the graph's MatMul weights quantized (``ENCODER_INT8``)."""
     arch = whisper_config_dict(source)
     return ComputeModel(
         name="whisper_encoder",
         inputs=(TensorSpec("input_features", "TYPE_FP32", (arch["num_mel_bins"], N_FRAMES)),),
         outputs=cross_attention_specs(arch),
         max_batch_size=MAX_ENCODER_BATCH[target],
-        export_onnx=partial(export_encoder, source),
-        source_key=source.key(),
+        export_onnx=partial(export_encoder_int8 if int8 else export_encoder, source),
+        source_key=source.key() + (f" int8 {sorted(ENCODER_INT8.items())}" if int8 else ""),
         latency_variants=(),
         embedded_heap_keep_freed_bytes=HEAP_KEEP_FREED_BYTES,
-        provenance=role_provenance(source, "whisper_encoder"),
+        provenance=role_provenance(source, "whisper_encoder", ENCODER_INT8_NOTE if int8 else ""),
     )
 
 
@@ -266,6 +285,11 @@ class SpeechPipeline(Pipeline):
                                  f"the packaged base on the embedded target; on the gpu target {GPU_HUB_DEFAULT} "
                                  "where the cache or the hub has it, else the packaged base (the builder says which "
                                  "and why). A model asked for here that cannot be had fails the build")
+        parser.add_argument("--whisper-int8", action="store_true",
+                            help="quantize whisper_encoder's MatMul weights to int8 per channel (ONNX Runtime "
+                                 "dynamic quantization; its provenance says so): faster on a CPU, WER measured "
+                                 "within 1 point of float32 (docs/speech.md); a window's transcript may then "
+                                 "depend on its batch neighbours (activations are scaled per call)")
         parser.add_argument("--whisper-checkpoint", dest="whisper_model", metavar="DIR",
                             help=f"alias of {FLAG} DIR (a local {HF_ARCHITECTURE} checkpoint)")
         parser.add_argument("--whisper-size", dest="whisper_model", type=random_spec, metavar="SIZE",
@@ -288,7 +312,8 @@ class SpeechPipeline(Pipeline):
 
     def compute_models(self, context: BuildContext) -> list[ComputeModel]:
         source = self.source(context)
-        return [encoder_model(source, context.target), decoder_model(source)]
+        int8 = bool(getattr(context.args, "whisper_int8", False))
+        return [encoder_model(source, context.target, int8), decoder_model(source)]
 
     def patch_config(self, config: mc.ModelConfig, context: BuildContext) -> None:
         arch = self.architecture(context)
@@ -312,6 +337,7 @@ class SpeechPipeline(Pipeline):
         assets = whisper_assets_dir()
         if model_name in ("audio_features", "speech_recognition_stream"):
             shutil.copy2(assets / "mel_filters.npz", version_dir / "mel_filters.npz")
+            shutil.copy2(vad_model_path(), version_dir / VAD_MODEL_FILE)
         if model_name in ("whisper_decode", "speech_recognition_stream"):
             shutil.copy2(assets / "multilingual.tiktoken", version_dir / "multilingual.tiktoken")
 

@@ -1,9 +1,11 @@
 """Encoded audio bytes → Whisper log-mel windows ``[windows, n_mels, 3000]`` per item.
 
-Decoding, downmix, resampling and the spectrogram live in ``triton_pipelines.pipelines.speech``; a bad item
-fails its own request only."""
+Decoding, downmix, resampling, voice activity detection (Silero VAD: optional input
+``vad_filter``, default the parameter ``vad_filter``) and the spectrogram live in
+``triton_pipelines.pipelines.speech``; a bad item fails its own request only."""
 
-from triton_pipelines.pipelines.speech.features import audio_to_timed_features, load_mel_filters, pad_spans
+from triton_pipelines.pipelines.speech.features import load_mel_filters, pad_time_maps, request_features, vad_flags
+from triton_pipelines.pipelines.speech.vad import VAD_MODEL_FILE, SileroVad
 from triton_pipelines.pipelines.speech.windows import pad_windows
 from triton_pipelines.stub.model_args import model_parameters, version_dir
 from triton_pipelines.stub.responses import input_array, respond
@@ -17,13 +19,16 @@ class TritonPythonModel:
                        "max_bytes": int(parameters["max_audio_bytes"]),
                        "max_decoded_samples": int(parameters["max_decoded_samples"]),
                        "min_sample_rate": int(parameters["min_sample_rate"])}
+        self.vad = SileroVad(version_dir(args) / VAD_MODEL_FILE)
+        self.vad_default = parameters["vad_filter"] == "true"
 
     def execute(self, requests):
         return respond(requests, self.features)
 
     def features(self, request):
         items = input_array(request, "audio").reshape(-1)
-        timed = [audio_to_timed_features(bytes(item), self.filters, index=i, **self.limits) for i, item in enumerate(items)]
+        flags = vad_flags(input_array(request, "vad_filter"), len(items), self.vad_default)
+        timed = request_features(items, flags, self.filters, self.vad, **self.limits)
         stacked, counts = pad_windows([features for features, _ in timed])
         return {"input_features": stacked, "num_windows": counts.reshape(-1, 1),
-                "window_spans": pad_spans([spans for _, spans in timed], stacked.shape[1])}
+                "window_spans": pad_time_maps([maps for _, maps in timed])}

@@ -5,9 +5,11 @@ German, Spanish and one clip over 30 s), over HTTP and gRPC.
   this synthetic voice (measured: English 3%, German 38%, Spanish 20%, overall 14%; random
   weights score about 100%);
 - ``language`` and ``task=translate`` do what they say; decoding stops at ``<|endoftext|>``;
-- a clip over 30 s is cut in a pause, so no word is dropped or repeated at the seam;
+- a clip over 30 s is cut in a pause (without VAD) or at a speech boundary (with it), so no word is
+  dropped or repeated at the seam;
 - parity: the server's tokens equal faster-whisper float32's (CTranslate2 on the same weights,
-  greedy, its default suppression) on the same features (every other clip of the corpus).
+  greedy, its default suppression) on the same features (every other clip of the corpus, windowed
+  as the server windows it by default: with Silero VAD).
 
 The corpus is decoded once (gRPC); a batch of it is checked on each protocol.
 
@@ -26,10 +28,11 @@ import soundfile
 
 from triton_pipelines.client import TritonClient, text_tensor
 from triton_pipelines.pipelines.speech.audio import decode_audio
-from triton_pipelines.pipelines.speech.config import SAMPLE_RATE
+from triton_pipelines.pipelines.speech.config import DEFAULT_VAD_FILTER, SAMPLE_RATE
 from triton_pipelines.pipelines.speech.features import audio_to_features, load_mel_filters
 from triton_pipelines.pipelines.speech.tokenizer import WhisperTokenizer
-from triton_pipelines.pipelines.speech.windows import window_cuts
+from triton_pipelines.pipelines.speech.vad import VAD_MODEL_FILE, SileroVad
+from triton_pipelines.pipelines.speech.windows import plan_windows, window_cuts
 from tools.speech_eval import (CORPUS, FasterWhisperGreedy, corpus_wer, join_clips, normalize_words,
                                           speak, word_errors)
 
@@ -64,10 +67,10 @@ def clips(repository) -> list[bytes]:
 
 
 @pytest.fixture(scope="session")
-def long_clip(repository) -> tuple[bytes, list[str], int, float]:
+def long_clip(repository) -> tuple[bytes, list[str], int, float, list[float]]:
     """The English sentences in order, 0.6 s apart, after a lead of silence (about 56 s: two
     windows), as 16 kHz WAV; → the WAV, the sentences, the index k of the sentence after the cut,
-    and the cut (s). The lead is chosen so that the 30 s mark falls inside a word (a fixed 30 s cut
+    the cut (s) and where each sentence starts (s). The lead is chosen so that the 30 s mark falls inside a word (a fixed 30 s cut
     would split it) and the pause the cut finds is the gap before sentence k."""
     sentences = [s.text for s in CORPUS if s.language == "en"]
     clips = [speak(text) for text in sentences]
@@ -84,7 +87,7 @@ def long_clip(repository) -> tuple[bytes, list[str], int, float]:
         if k >= 1 and ends[k - 1] + lead < cut:
             buffer = io.BytesIO()
             soundfile.write(buffer, audio, SAMPLE_RATE, subtype="FLOAT", format="WAV")
-            return buffer.getvalue(), sentences, k, cut
+            return buffer.getvalue(), sentences, k, cut, [start + lead for start in starts]
     raise AssertionError("no lead puts 30 s inside a word and the cut between two sentences")
 
 
@@ -183,13 +186,26 @@ def word_overlap(references: list[str], hypotheses: list[str]) -> float:
     return found / total
 
 
-def test_long_audio_joins_windows_without_dropping_or_repeating_words(client, long_clip):
-    audio, sentences, k, cut = long_clip
-    assert len(window_cuts(decode_audio(audio))) == 2 and cut < 30.0
-    out = client.infer(MODEL, {"audio": text_tensor([audio])})
+def server_vad(repository: Path) -> SileroVad:
+    return SileroVad(repository / "audio_features" / "1" / VAD_MODEL_FILE)
+
+
+@pytest.mark.parametrize("vad", [False, True])
+def test_long_audio_joins_windows_without_dropping_or_repeating_words(client, long_clip, repository, vad):
+    """Without VAD the 30 s mark falls inside a word and the cut is in the pause before it; with
+    VAD (0.6 s pauses stay inside speech) the speech over 30 s is split at its last pause."""
+    audio, sentences, k, cut, starts = long_clip
+    samples = decode_audio(audio)
+    assert len(window_cuts(samples)) == 2 and cut < 30.0
+    if vad:
+        windows = plan_windows(samples, server_vad(repository))
+        assert len(windows) == 2
+        cut = windows[1].start  # the next span's start: its speech pad (0.4 s) before the sentence
+        k = next(i for i, start in enumerate(starts) if start > cut)
+    out = client.infer(MODEL, {"audio": text_tensor([audio]), "vad_filter": np.array([[vad]])})
     text = out["transcript"][0, 0].decode()
     errors = word_errors(" ".join(sentences), text)
-    print(f"long clip: cut at {cut:.2f} s before sentence {k}; WER {errors.wer:.3f}: {text}")
+    print(f"long clip (VAD {vad}): cut at {cut:.2f} s before sentence {k}; WER {errors.wer:.3f}: {text}")
     assert errors.wer <= MAX_WER["en"], text
     # the last word before the seam and the first after it are both there, and nothing is
     # inserted between them (a word heard in both windows would be)
@@ -199,6 +215,29 @@ def test_long_audio_joins_windows_without_dropping_or_repeating_words(client, lo
             assert op != "del", (op, ref_index, text)
         if op == "ins":
             assert ref_index != boundary, (ref_index, text)
+
+
+def test_a_long_file_with_pauses_is_packed_at_speech_boundaries(client, repository):
+    """The English sentences 3 s apart (~80 s): VAD cuts between sentences (every window's span
+    boundaries fall in the pauses) and leaves the pauses out, 2 windows instead of 3; the words
+    are all there."""
+    sentences = [s.text for s in CORPUS if s.language == "en"]
+    clips = [speak(text) for text in sentences]
+    joined, starts = join_clips(clips, gap_seconds=3.0)
+    samples = decode_audio(joined)
+    ends = [start + len(decode_audio(clip)) / SAMPLE_RATE for start, clip in zip(starts, clips)]
+    windows = plan_windows(samples, server_vad(repository))
+    assert len(window_cuts(samples)) == 3 and len(windows) == 2
+    for window in windows:
+        for a, b in window.spans:
+            for edge in (a / SAMPLE_RATE, b / SAMPLE_RATE):
+                # (a clip ends with some silence of espeak-ng's: a span may end just inside it)
+                assert not any(start + 0.15 < edge < end - 0.15 for start, end in zip(starts, ends)), edge
+    out = client.infer(MODEL, {"audio": text_tensor([joined])})
+    text = out["transcript"][0, 0].decode()
+    errors = word_errors(" ".join(sentences), text)
+    print(f"long file with pauses: WER {errors.wer:.3f}: {text}")
+    assert errors.wer <= MAX_WER["en"], text
 
 
 @pytest.fixture(scope="session")
@@ -213,7 +252,8 @@ def faster_whisper_float32(repository) -> FasterWhisperGreedy:
 def parity_reference(faster_whisper_float32, clips, repository) -> list[list[int]]:
     """faster-whisper float32's greedy tokens for every corpus clip, from our features."""
     filters = load_mel_filters(repository / "audio_features" / "1" / "mel_filters.npz", 80)
-    features = np.concatenate([audio_to_features(clips[i], filters) for i in PARITY_CLIPS])
+    vad = server_vad(repository) if DEFAULT_VAD_FILTER else None
+    features = np.concatenate([audio_to_features(clips[i], filters, vad=vad) for i in PARITY_CLIPS])
     assert len(features) == len(PARITY_CLIPS)
     return faster_whisper_float32.tokens(features, [CORPUS[i].language for i in PARITY_CLIPS])
 

@@ -1,6 +1,8 @@
 """The speech pipeline on the real embedded Triton server, over HTTP and gRPC, against an
 in-process reference: the same two ONNX files in ONNX Runtime, decoded greedily one utterance at a
-time (no batching), and for one case transformers' ``generate`` on the torch model."""
+time (no batching), and for one case transformers' ``generate`` on the torch model. The reference
+windows a clip as audio_features does: with Silero VAD where the request's vad_filter (or the
+default) asks for it."""
 
 from __future__ import annotations
 
@@ -15,11 +17,12 @@ import pytest
 import soundfile
 
 from triton_pipelines.client import InferenceServerException, TritonClient, text_tensor
-from triton_pipelines.pipelines.speech.config import SAMPLE_RATE
+from triton_pipelines.pipelines.speech.config import DEFAULT_VAD_FILTER, SAMPLE_RATE
 from triton_pipelines.pipelines.speech.features import audio_to_features, load_mel_filters
 from triton_pipelines.pipelines.speech.jobs import join_transcript
 from triton_pipelines.pipelines.speech.reference import WhisperOnnx
 from triton_pipelines.pipelines.speech.tokenizer import WhisperTokenizer
+from triton_pipelines.pipelines.speech.vad import VAD_MODEL_FILE, SileroVad
 
 from tests.conftest import statistics_after
 from tests.support.paths import TEST_DATA
@@ -34,6 +37,9 @@ def wav_bytes(samples, rate=SAMPLE_RATE, subtype="PCM_16") -> bytes:
     buffer = io.BytesIO()
     soundfile.write(buffer, samples, rate, subtype=subtype, format="WAV")
     return buffer.getvalue()
+
+
+NOISE = wav_bytes(0.05 * np.random.default_rng(7).standard_normal(4 * SAMPLE_RATE).astype(np.float32))
 
 
 def int_tensor(values) -> np.ndarray:
@@ -51,28 +57,35 @@ class Reference:
                                         self.whisper.shape.n_mels)
         self.tokenizer = WhisperTokenizer.for_vocab_size(
             repository / "whisper_decode" / "1" / "multilingual.tiktoken", self.whisper.shape.vocab_size)
-        self._encoded: dict[str, list[dict[str, np.ndarray]]] = {}
+        self.vad = SileroVad(repository / "audio_features" / "1" / VAD_MODEL_FILE)
+        self._encoded: dict[tuple[str, bool], list[dict[str, np.ndarray]]] = {}
 
-    def encoded(self, audio: bytes) -> list[dict[str, np.ndarray]]:
+    def features(self, audio: bytes, vad: bool = DEFAULT_VAD_FILTER) -> np.ndarray:
+        return audio_to_features(audio, self.filters, vad=self.vad if vad else None)
+
+    def encoded(self, audio: bytes, vad: bool = DEFAULT_VAD_FILTER) -> list[dict[str, np.ndarray]]:
         """Each window's cross K/V, computed once per clip: with real Whisper base the encoder is
         most of a decode, and the tests ask for the same clips with many options."""
-        key = hashlib.sha256(audio).hexdigest()
+        key = (hashlib.sha256(audio).hexdigest(), vad)
         if key not in self._encoded:
-            features = audio_to_features(audio, self.filters)
+            features = self.features(audio, vad)
             self._encoded[key] = [self.whisper.encode(features[i:i + 1]) for i in range(len(features))]
         return self._encoded[key]
 
-    def language(self, audio: bytes) -> str:
+    def language(self, audio: bytes, vad: bool = DEFAULT_VAD_FILTER) -> str:
         """The clip's language as openai-whisper detects it: on its first window."""
-        return self.whisper.detect_language(self.encoded(audio)[0], self.tokenizer)[0]
+        return self.whisper.detect_language(self.encoded(audio, vad)[0], self.tokenizer)[0]
 
-    def windows(self, audio: bytes, language="auto", task="transcribe", max_new_tokens=4) -> list[list[int]]:
+    def windows(self, audio: bytes, language="auto", task="transcribe", max_new_tokens=4,
+                vad: bool = DEFAULT_VAD_FILTER) -> list[list[int]]:
         """Each window alone; ``auto`` (what the server does without a language): the language
         detected on the first window (``language``)."""
-        language = self.language(audio) if language == "auto" else language
+        if not self.encoded(audio, vad):
+            return []
+        language = self.language(audio, vad) if language == "auto" else language
         prompt = np.array([self.tokenizer.prompt(language, task)])
         return [self.whisper.decode_encoded(dict(cross), prompt, self.tokenizer, max_new_tokens)[0]
-                for cross in self.encoded(audio)]
+                for cross in self.encoded(audio, vad)]
 
     def tokens(self, audio: bytes, **options) -> list[int]:
         return [t for window in self.windows(audio, **options) for t in window]
@@ -86,29 +99,40 @@ def reference(triton_server) -> Reference:
     return Reference(Path(triton_server.options.model_repository))
 
 
-def transcribe(client: TritonClient, audios, max_new_tokens, **optional) -> dict[str, np.ndarray]:
+def transcribe(client: TritonClient, audios, max_new_tokens, vad_filter=None, model=MODEL,
+               **optional) -> dict[str, np.ndarray]:
     inputs = {"audio": text_tensor(audios), "max_new_tokens": int_tensor(max_new_tokens)}
+    if vad_filter is not None:
+        inputs["vad_filter"] = np.array(vad_filter, dtype=bool).reshape(-1, 1)
     inputs.update({name: text_tensor(values) for name, values in optional.items()})
-    return client.infer(MODEL, inputs)
+    return client.infer(model, inputs)
 
 
 def ids_of(row: np.ndarray) -> list[int]:
     return [int(t) for t in row if t >= 0]
 
 
-def test_batch_of_different_lengths_matches_in_process_greedy_decode(client, reference):
+@pytest.mark.parametrize("vad", [False, True])
+def test_batch_of_different_lengths_matches_in_process_greedy_decode(client, reference, vad):
+    """With VAD the silent item has no window (an empty transcript next to its neighbours'); without
+    it, it is decoded like the reference decodes it."""
     silence = wav_bytes(np.zeros(SAMPLE_RATE // 2, np.float32))
     audios, bounds = [HELLO, MORNING, silence], [6, 4, 3]
     languages = ["en", "de", "fr"]
-    out = transcribe(client, audios, bounds, language=languages, task=["transcribe", "translate", "transcribe"])
+    out = transcribe(client, audios, bounds, vad_filter=[vad] * 3, language=languages,
+                     task=["transcribe", "translate", "transcribe"])
     assert out["token_ids"].dtype == np.int32 and out["transcript"].shape == (3, 1)
     tasks = ["transcribe", "translate", "transcribe"]
     for row, audio, bound, language, task, text in zip(out["token_ids"], audios, bounds, languages, tasks,
                                                         out["transcript"][:, 0]):
-        expected = reference.tokens(audio, language=language, task=task, max_new_tokens=bound)
+        expected = reference.tokens(audio, language=language, task=task, max_new_tokens=bound, vad=vad)
         assert ids_of(row) == expected
-        assert 0 < len(expected) <= bound
-        assert text.decode() == reference.transcript(audio, language=language, task=task, max_new_tokens=bound)
+        if vad and audio is silence:
+            assert expected == [] and text == b""
+        else:
+            assert 0 < len(expected) <= bound
+        assert text.decode() == reference.transcript(audio, language=language, task=task, max_new_tokens=bound,
+                                                     vad=vad)
 
 
 def test_throughput_class_decodes_the_same_tokens(client, reference):
@@ -116,6 +140,7 @@ def test_throughput_class_decodes_the_same_tokens(client, reference):
     decode batches) serves the same weights and greedy loop."""
     inputs = {"audio": text_tensor([HELLO, MORNING]), "max_new_tokens": int_tensor([5, 5])}
     out = client.infer("speech_recognition_batch", inputs)
+    assert ids_of(transcribe(client, [NOISE], [5], model="speech_recognition_batch")["token_ids"][0]) == []
     for row, audio in zip(out["token_ids"], (HELLO, MORNING)):
         assert ids_of(row) == reference.tokens(audio, language="en", task="transcribe", max_new_tokens=5)
 
@@ -144,8 +169,8 @@ def test_audio_longer_than_30_s_is_split_and_joined(client, reference):
     rng = np.random.default_rng(2)
     t = np.arange(int(33.5 * SAMPLE_RATE)) / SAMPLE_RATE
     audio = wav_bytes((0.2 * np.sin(2 * np.pi * 220 * t) + 0.02 * rng.standard_normal(len(t))).astype(np.float32))
-    out = transcribe(client, [audio], [3])
-    windows = reference.windows(audio, max_new_tokens=3)
+    out = transcribe(client, [audio], [3], vad_filter=[False])  # a tone: VAD would find no speech
+    windows = reference.windows(audio, max_new_tokens=3, vad=False)
     assert len(windows) == 2
     assert ids_of(out["token_ids"][0]) == windows[0] + windows[1]
     assert out["transcript"][0, 0].decode() == join_transcript(reference.tokenizer, windows)
@@ -232,7 +257,7 @@ def test_defaults_apply_without_optional_inputs(internal_client, triton_server, 
         "input_features": audio_to_features(MORNING, reference.filters)[None],
         "max_new_tokens": int_tensor([3]),
     })
-    assert ids_of(out["token_ids"][0]) == reference.tokens(MORNING, max_new_tokens=3)
+    assert ids_of(out["token_ids"][0]) == reference.tokens(MORNING, max_new_tokens=3, vad=False)
 
 
 def test_server_and_speech_models_are_healthy_afterwards(client):
@@ -340,14 +365,45 @@ def test_without_the_decoder_cache_windows_are_decoded_in_encoder_sized_groups(h
     speech = soundfile.read(io.BytesIO(HELLO), dtype="float32")[0]
     pause = np.zeros(SAMPLE_RATE * 26, np.float32)
     long_audio = wav_bytes(np.concatenate([np.concatenate([speech, pause])] * (encoder_batch + 1)))
-    windows = len(reference.encoded(long_audio))
+    windows = len(reference.encoded(long_audio, vad=False))  # VAD would pack the speech into one window
     assert windows > encoder_batch
     config = json.loads(json.dumps(original))
     config["parameters"]["decoder_input_cache"] = {"string_value": "false"}
     control.load("whisper_decode", config=config)
     try:
-        out = transcribe(http_client, [long_audio], [3])
-        assert ids_of(out["token_ids"][0]) == reference.tokens(long_audio, max_new_tokens=3)
+        out = transcribe(http_client, [long_audio], [3], vad_filter=[False])
+        assert ids_of(out["token_ids"][0]) == reference.tokens(long_audio, max_new_tokens=3, vad=False)
     finally:
         control.load("whisper_decode", config=original)
     assert control.config("whisper_decode")["parameters"]["decoder_input_cache"]["string_value"] == "true"
+
+
+def test_noise_and_silence_alone_give_no_words(client, http_client, reference):
+    """Under VAD (the default) noise, a hum and silence have no speech: no window is decoded (the
+    encoder is not called) and the transcript is empty. With vad_filter false the same noise is
+    decoded, as the reference decodes it (Whisper base then says something)."""
+    rng = np.random.default_rng(8)
+    t = np.arange(3 * SAMPLE_RATE) / SAMPLE_RATE
+    hum = wav_bytes((0.1 * np.sin(2 * np.pi * 50 * t) + 0.01 * rng.standard_normal(len(t))).astype(np.float32))
+    silence = wav_bytes(np.zeros(2 * SAMPLE_RATE, np.float32))
+    before = http_client.statistics("whisper_encoder")["model_stats"][0]["inference_count"]
+    out = transcribe(client, [NOISE, hum, silence], [20, 20, 20])
+    assert out["transcript"][:, 0].tolist() == [b"", b"", b""]
+    assert all(ids_of(row) == [] for row in out["token_ids"])
+    assert http_client.statistics("whisper_encoder")["model_stats"][0]["inference_count"] == before
+    plain = transcribe(client, [NOISE], [20], vad_filter=[False])
+    expected = reference.tokens(NOISE, max_new_tokens=20, vad=False)
+    assert ids_of(plain["token_ids"][0]) == expected and expected != []
+
+
+def test_a_long_file_is_cut_at_speech_boundaries(client, reference):
+    """12 utterances 3 s apart (78 s): VAD leaves the pauses out and packs the utterances into 2
+    windows (3 without it), none cut inside an utterance (tests/unit/pipelines/test_speech_vad.py),
+    and the server decodes those windows as the reference does. (Its word error rate on distinct
+    sentences: test_speech_quality.py.)"""
+    speech = soundfile.read(io.BytesIO(HELLO), dtype="float32")[0]
+    pause = np.zeros(3 * SAMPLE_RATE, np.float32)
+    long_audio = wav_bytes(np.concatenate([speech] + [np.concatenate([pause, speech])] * 11))
+    assert len(reference.encoded(long_audio, vad=True)) == 2 and len(reference.encoded(long_audio, vad=False)) == 3
+    out = transcribe(client, [long_audio], [40])
+    assert ids_of(out["token_ids"][0]) == reference.tokens(long_audio, max_new_tokens=40, vad=True)

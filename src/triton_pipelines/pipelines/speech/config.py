@@ -67,6 +67,9 @@ TIMESTAMP_MODES = ("none", "segment", "word")
 DEFAULT_TIMESTAMPS = "none"
 DEFAULT_TASK = "transcribe"
 DEFAULT_MAX_NEW_TOKENS = 224
+# Voice activity detection (Silero VAD, speech.vad) for a request that sends no vad_filter: only
+# speech is decoded, packed into windows at speech boundaries (docs/speech.md: its WER measured).
+DEFAULT_VAD_FILTER = True
 
 # The parameters the builder writes into the Python models' config.pbtxt (the sources name none of
 # them): these constants are the one place each value lives (docs/design.md, "Change a limit").
@@ -74,8 +77,9 @@ _AUDIO_LIMITS = {"max_audio_seconds": MAX_AUDIO_SECONDS, "max_audio_bytes": MAX_
                  "max_decoded_samples": MAX_DECODED_SAMPLES, "min_sample_rate": MIN_SAMPLE_RATE}
 _DECODE_DEFAULTS = {"default_language": DEFAULT_LANGUAGE, "default_task": DEFAULT_TASK,
                     "default_timestamps": DEFAULT_TIMESTAMPS, "max_new_tokens": DEFAULT_MAX_NEW_TOKENS}
+_VAD_DEFAULT = {"vad_filter": str(DEFAULT_VAD_FILTER).lower()}
 CONFIG_PARAMETERS = {
-    "audio_features": _AUDIO_LIMITS,
+    "audio_features": {**_AUDIO_LIMITS, **_VAD_DEFAULT},
     "whisper_decode": _DECODE_DEFAULTS,
-    "speech_recognition_stream": {**_DECODE_DEFAULTS, **_AUDIO_LIMITS},  # both steps in one model
+    "speech_recognition_stream": {**_DECODE_DEFAULTS, **_AUDIO_LIMITS, **_VAD_DEFAULT},  # both steps in one model
 }

@@ -1,6 +1,7 @@
 """Whisper's log-mel features: the mel filters, one window's log-mel spectrogram, and encoded
-audio → the feature windows of a clip (with their spans in time, for timed transcripts: the
-``window_spans`` that ``audio_features`` outputs and ``whisper_decode`` times its segments by)."""
+audio → the feature windows of a clip (with their time maps, for timed transcripts: the
+``window_spans`` that ``audio_features`` outputs and ``whisper_decode`` times its segments and
+words by). With a ``SileroVad`` (``vad``), only speech is windowed (``windows.plan_windows``)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ from typing import Sequence
 
 import numpy as np
 
+from triton_pipelines.errors import InputError
 from triton_pipelines.pipelines.speech.audio import decode_audio
 from triton_pipelines.pipelines.speech.config import HOP_LENGTH, N_FFT, N_FRAMES, SAMPLE_RATE, WINDOW_SAMPLES
-from triton_pipelines.pipelines.speech.windows import is_silent, sounding_windows, window_cuts
+from triton_pipelines.pipelines.speech.vad import SileroVad, TimeMap, window_audio
+from triton_pipelines.pipelines.speech.windows import plan_windows
 
 
 def load_mel_filters(path: Path | str, n_mels: int) -> np.ndarray:
@@ -38,29 +41,55 @@ def log_mel_spectrogram(window: np.ndarray, filters: np.ndarray) -> np.ndarray:
     return ((log_spec + 4.0) / 4.0).astype(np.float32)
 
 
-def audio_to_features(data: bytes, filters: np.ndarray, index: int = 0, **limits) -> np.ndarray:
-    """Encoded audio → ``[windows, n_mels, 3000]`` float32 (silent windows left out)."""
+def windows_features(audio: np.ndarray, windows: list[TimeMap], filters: np.ndarray) -> np.ndarray:
+    """The windows' log-mel spectrograms, ``[windows, n_mels, 3000]`` (``[0, n_mels, 3000]`` for none)."""
+    if not windows:
+        return np.zeros((0, filters.shape[0], N_FRAMES), dtype=np.float32)
+    return np.stack([log_mel_spectrogram(window_audio(audio, w.spans), filters) for w in windows])
+
+
+def audio_to_windows(data: bytes, filters: np.ndarray, index: int = 0, vad: SileroVad | None = None,
+                     **limits) -> tuple[np.ndarray, list[TimeMap]]:
+    """Encoded audio → its windows' features and their time maps (``windows.plan_windows``)."""
     audio = decode_audio(data, index=index, **limits)
-    return np.stack([log_mel_spectrogram(w, filters) for w in sounding_windows(audio)])
+    windows = plan_windows(audio, vad)
+    return windows_features(audio, windows, filters), windows
 
 
-def audio_to_timed_features(data: bytes, filters: np.ndarray, index: int = 0,
-                            **limits) -> tuple[np.ndarray, list[tuple[float, float]]]:
-    """``audio_to_features`` and each kept window's span in the audio, in seconds (start, end): the
-    segments of a timed transcript (``speech_recognition_stream``)."""
-    audio = decode_audio(data, index=index, **limits)
-    cuts = window_cuts(audio) + [len(audio)]
-    spans = [(a, b) for a, b in zip(cuts[:-1], cuts[1:])]
-    kept = [(a, b) for a, b in spans if not is_silent(audio[a:b])] or spans[:1]
-    features = np.stack([log_mel_spectrogram(audio[a:b], filters) for a, b in kept])
-    return features, [(a / SAMPLE_RATE, b / SAMPLE_RATE) for a, b in kept]
+def audio_to_features(data: bytes, filters: np.ndarray, index: int = 0, vad: SileroVad | None = None,
+                      **limits) -> np.ndarray:
+    """Encoded audio → ``[windows, n_mels, 3000]`` float32 (silent windows left out; with ``vad``
+    only speech, no window at all without speech)."""
+    return audio_to_windows(data, filters, index, vad, **limits)[0]
 
 
-def pad_spans(spans: Sequence[Sequence[tuple[float, float]]], windows: int) -> np.ndarray:
-    """Per-item window spans (start, end in seconds: ``audio_to_timed_features``) → ``[items,
-    windows, 2]`` float32, padding windows (0, 0): ``audio_features``' ``window_spans``."""
-    padded = np.zeros((len(spans), windows, 2), dtype=np.float32)
-    for item, item_spans in enumerate(spans):
-        if item_spans:
-            padded[item, :len(item_spans)] = item_spans
+def pad_time_maps(maps: Sequence[Sequence[TimeMap]]) -> np.ndarray:
+    """Per-item window time maps → ``[items, rows, 3]`` float32: one row (window, start, end in
+    seconds) per stretch of the clip a window holds, padding rows (-1, 0, 0): ``audio_features``'
+    ``window_spans`` (``jobs.item_spans`` reads them back)."""
+    rows = [[(w, a / m.sample_rate, b / m.sample_rate) for w, m in enumerate(item) for a, b in m.spans] for item in maps]
+    padded = np.zeros((len(rows), max((len(r) for r in rows), default=0), 3), dtype=np.float32)
+    padded[:, :, 0] = -1
+    for item, item_rows in enumerate(rows):
+        if item_rows:
+            padded[item, :len(item_rows)] = item_rows
     return padded
+
+
+def vad_flags(raw: np.ndarray | None, count: int, default: bool) -> list[bool]:
+    """The optional ``vad_filter`` BOOL input ``[items, 1]`` → one flag per item (``default``
+    where it is absent)."""
+    if raw is None:
+        return [default] * count
+    flat = raw.reshape(-1)
+    if flat.size != count:
+        raise InputError(f"input 'vad_filter' has {flat.size} elements for {count} audio items")
+    return [bool(value) for value in flat]
+
+
+def request_features(items: np.ndarray, flags: list[bool], filters: np.ndarray, vad: SileroVad | None,
+                     **limits) -> list[tuple[np.ndarray, list[TimeMap]]]:
+    """One ``audio_features`` request: each item's windows and their time maps, with VAD where its
+    flag says so."""
+    return [audio_to_windows(bytes(item), filters, index=i, vad=vad if flag else None, **limits)
+            for i, (item, flag) in enumerate(zip(items, flags))]

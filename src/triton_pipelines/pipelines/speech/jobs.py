@@ -15,11 +15,13 @@ import numpy as np
 from triton_pipelines.errors import InputError, RequestCancelled, decode_utf8
 from triton_pipelines.limits import CLIENT_DEADLINE_PARAMETER
 from triton_pipelines.pipelines.speech.config import (DEFAULT_LANGUAGE, DEFAULT_MAX_NEW_TOKENS, DEFAULT_TASK, DEFAULT_TIMESTAMPS,
-                                                     MAX_TARGET_POSITIONS, PROMPT_LENGTH, TIMESTAMP_MODES, WINDOW_SECONDS)
+                                                     MAX_TARGET_POSITIONS, PROMPT_LENGTH, SAMPLE_RATE, TIMESTAMP_MODES,
+                                                     WINDOW_SAMPLES)
 from triton_pipelines.pipelines.speech.decoding import fill_languages
 from triton_pipelines.pipelines.speech.timestamps import window_segments
 from triton_pipelines.pipelines.speech.words import AlignedTokens, assign_words, window_words
 from triton_pipelines.pipelines.speech.tokenizer import WhisperTokenizer
+from triton_pipelines.pipelines.speech.vad import TimeMap
 
 
 def group_windows(window_tokens: Sequence[list[int]], windows_per_item: Sequence[int]) -> list[list[list[int]]]:
@@ -58,15 +60,23 @@ def timestamp_values(raw: np.ndarray | None, count: int, default: str) -> list[s
     return modes
 
 
-def item_spans(raw: np.ndarray | None, counts: Sequence[int]) -> list[list[tuple[float, float]]]:
-    """The optional ``window_spans [items, windows, 2]`` (each window's start and end in its clip,
-    seconds: ``audio_features``' output) → per item, per window; without it, 30 s windows end to end."""
+def item_spans(raw: np.ndarray | None, counts: Sequence[int]) -> list[list[TimeMap]]:
+    """The optional ``window_spans [items, rows, 3]`` (``audio_features``' output: one row (window,
+    start, end) per stretch of its clip a window holds, seconds; padding rows window -1) → per item,
+    per window, its time map; without it, 30 s windows end to end."""
     if raw is None:
-        return [[(i * WINDOW_SECONDS, (i + 1) * WINDOW_SECONDS) for i in range(count)] for count in counts]
-    spans = raw.reshape(len(counts), -1, 2) if raw.size else np.zeros((len(counts), 0, 2))
-    if spans.shape[1] < max(counts):
-        raise InputError(f"input 'window_spans' holds {spans.shape[1]} windows per item; the features hold {max(counts)}")
-    return [[(float(a), float(b)) for a, b in spans[item, :count]] for item, count in enumerate(counts)]
+        return [[TimeMap([(i * WINDOW_SAMPLES, (i + 1) * WINDOW_SAMPLES)]) for i in range(count)] for count in counts]
+    rows = raw.reshape(len(counts), -1, 3) if raw.size else np.zeros((len(counts), 0, 3))
+    maps = []
+    for item, count in enumerate(counts):
+        spans: list[list[tuple[int, int]]] = [[] for _ in range(count)]
+        for window, start, end in rows[item]:
+            if 0 <= window < count:
+                spans[int(window)].append((int(round(start * SAMPLE_RATE)), int(round(end * SAMPLE_RATE))))
+        if any(not window for window in spans):
+            raise InputError(f"input 'window_spans'[{item}] maps {sum(map(bool, spans))} of its {count} windows")
+        maps.append([TimeMap(window) for window in spans])
+    return maps
 
 
 @dataclass
@@ -78,7 +88,7 @@ class DecodeJob:
     prompts: np.ndarray  # [windows, 4] int64: GreedyBatch's slots (detected languages written in)
     max_new_tokens: np.ndarray  # [windows] int64
     windows_per_item: list[int]
-    spans: list[list[tuple[float, float]]] = field(default_factory=list)
+    spans: list[list[TimeMap]] = field(default_factory=list)
     # Whether its client has gone (cancelled, or past its deadline: ``client_gone``).
     cancelled: Callable[[], bool] = field(default=lambda: False, repr=False, compare=False)
 
@@ -94,8 +104,9 @@ def plan_request(tokenizer: WhisperTokenizer, features: np.ndarray, num_windows:
     language ``auto`` (the default) is detected on each item's first window."""
     items, padded = features.shape[0], features.shape[1]
     counts = [padded] * items if num_windows is None else [int(c) for c in num_windows.reshape(-1)]
-    if len(counts) != items or any(c < 1 or c > padded for c in counts):
-        raise InputError(f"input 'num_windows' must hold one count in 1..{padded} per item, got {counts}")
+    # 0: an item without speech (audio_features' VAD), decoded to an empty transcript.
+    if len(counts) != items or any(c < 0 or c > padded for c in counts):
+        raise InputError(f"input 'num_windows' must hold one count in 0..{padded} per item, got {counts}")
     limit = MAX_TARGET_POSITIONS - PROMPT_LENGTH
     bounds = [min(default_max_new_tokens, limit)] * items
     if max_new_tokens is not None:
@@ -115,8 +126,9 @@ def plan_request(tokenizer: WhisperTokenizer, features: np.ndarray, num_windows:
         windows = np.concatenate([features[i, :counts[i]] for i in range(items)])
     windows = windows.astype(np.float32, copy=False)
     per_window = lambda values: [v for i, v in enumerate(values) for _ in range(counts[i])]  # noqa: E731
-    return DecodeJob(windows, np.array(prompts, dtype=np.int64), np.array(per_window(bounds), dtype=np.int64), counts,
-                     item_spans(window_spans, counts))
+    # [-1, 4]: a request without windows (no speech under VAD) still shares its batch's arrays
+    return DecodeJob(windows, np.array(prompts, dtype=np.int64).reshape(-1, PROMPT_LENGTH),
+                     np.array(per_window(bounds), dtype=np.int64), counts, item_spans(window_spans, counts))
 
 
 def join_transcript(tokenizer: WhisperTokenizer, tokens: Sequence[list[int]]) -> str:
@@ -224,7 +236,7 @@ def item_languages(tokenizer: WhisperTokenizer, prompts: np.ndarray, windows_per
     return [tokenizer.language_code(int(prompts[first, 1])) if prompts[first, 1] >= 0 else "" for first in firsts]
 
 
-def segments_json(tokenizer: WhisperTokenizer, windows: Sequence[list[int]], spans: Sequence[tuple[float, float]],
+def segments_json(tokenizer: WhisperTokenizer, windows: Sequence[list[int]], spans: Sequence[TimeMap],
                   language: str = "") -> str:
     """An item's segments (``timestamps.window_segments`` of each window) as JSON; a window aligned
     for word times (``words.AlignedTokens``) gives each segment its ``words`` too."""

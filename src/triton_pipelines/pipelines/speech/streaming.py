@@ -11,7 +11,8 @@ import numpy as np
 
 from triton_pipelines.errors import InputError, as_bytes
 from triton_pipelines.pipelines.speech.decoding import GreedyBatch, fill_languages
-from triton_pipelines.pipelines.speech.features import audio_to_timed_features
+from triton_pipelines.pipelines.speech.features import audio_to_windows
+from triton_pipelines.pipelines.speech.vad import TimeMap, as_time_map
 from triton_pipelines.pipelines.speech.jobs import CancelWatch, item_languages, plan_request, segments_json
 from triton_pipelines.pipelines.speech.tokenizer import WhisperTokenizer
 
@@ -41,12 +42,12 @@ def text_delta(sent: str, now: str) -> str:
 
 @dataclass
 class StreamJob:
-    """One ``speech_recognition_stream`` request: its windows, their spans in the audio, prompts
+    """One ``speech_recognition_stream`` request: its windows, their time maps in the audio, prompts
     (``GreedyBatch``'s slots, one row per window) and token bound, and whether it wants partial
     transcripts."""
 
     features: np.ndarray  # [windows, n_mels, 3000]
-    spans: list[tuple[float, float]]
+    spans: list[TimeMap]
     prompts: np.ndarray  # [windows, 4] int64
     max_new_tokens: int
     partials: bool = True
@@ -120,7 +121,7 @@ class StreamDecode:
             transcript = " ".join(t for t in texts if t)
             language = item_languages(self.tokenizer, prompts[a:b], [b - a])[0]
             segments = segments_json(self.tokenizer, self.tokens[a:b], self.jobs[index].spans, language)
-            duration = self.jobs[index].spans[-1][1] if self.jobs[index].spans else 0.0
+            duration = as_time_map(self.jobs[index].spans[-1]).end if self.jobs[index].spans else 0.0
             self.send(index, stream_outputs(transcript, text_delta(self.sent[index], transcript), True, segments,
                                             language, duration), True)
 
@@ -151,7 +152,7 @@ def plan_stream_job(tokenizer: WhisperTokenizer, filters: np.ndarray, audio: np.
     job; InputError naming the input otherwise."""
     if audio.size != 1:
         raise InputError(f"input 'audio' holds {audio.size} items; a streamed transcript takes one clip per request")
-    features, spans = audio_to_timed_features(as_bytes(audio.reshape(-1)[0]), filters, **limits)
+    features, spans = audio_to_windows(as_bytes(audio.reshape(-1)[0]), filters, **limits)
     job = plan_request(tokenizer, features[None], None, language, task, max_new_tokens, timestamps, **defaults)
     partials = str(parameters.get("partials", True)).lower() != "false"
     return StreamJob(features, spans, job.prompts, int(job.max_new_tokens[0]), partials)

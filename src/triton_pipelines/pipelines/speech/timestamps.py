@@ -14,6 +14,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from triton_pipelines.pipelines.speech.vad import TimeMap, as_time_map
+
 TIME_PRECISION = 0.02  # seconds per timestamp token (30 s / 1500 encoder positions)
 # The first timestamp of a window may not be later than this (openai-whisper's and faster-whisper's
 # default max_initial_timestamp).
@@ -88,17 +90,22 @@ class Segment:
         return found
 
 
-def window_segments(tokens: Sequence[int], span: tuple[float, float], timestamp_begin: int,
+def window_segments(tokens: Sequence[int], window: TimeMap, timestamp_begin: int,
                     decode: Callable[[Sequence[int]], str]) -> list[Segment]:
     """One window's generated ids → its segments. With timestamp tokens: one segment per pair
-    (start = the window's start + the opening timestamp, end = + the closing one, within the
-    window's span); text after the last timestamp ends at the window's end. Without: the whole
-    window, one segment. Empty texts are left out."""
-    offset, end = span
+    (start = the clip's time of the opening timestamp, end = of the closing one, through the
+    window's time map: under VAD a window holds stretches of its clip back to back); text after
+    the last timestamp ends at the window's end. Without: the whole window, one segment. Empty
+    texts are left out."""
+    window = as_time_map(window)
+    offset, end = window.start, window.end
     if not any(t >= timestamp_begin for t in tokens):
         text = decode(tokens).strip()
         return [Segment(offset, end, text, tuple(tokens))] if text else []
-    at = lambda token: min(end, offset + (token - timestamp_begin) * TIME_PRECISION)  # noqa: E731
+    length = window.duration
+
+    def at(token: int, is_end: bool = False) -> float:
+        return min(end, window.original_time(min(length, (token - timestamp_begin) * TIME_PRECISION), is_end))
     segments, start, body = [], None, []
 
     def close(stop: float) -> None:
@@ -114,7 +121,7 @@ def window_segments(tokens: Sequence[int], span: tuple[float, float], timestamp_
         elif start is None:
             start, body = at(token), []
         else:
-            close(at(token))
+            close(at(token, is_end=True))
             start, body = None, []
     if start is not None and body:
         close(end)

@@ -1,5 +1,7 @@
-"""Window planning: 16 kHz audio cut into Whisper's 30 s windows (in pauses), digitally silent
-windows left out, and a batch's per-item windows padded into one tensor."""
+"""Window planning: 16 kHz audio cut into Whisper's 30 s windows, either in pauses with digitally
+silent windows left out, or with voice activity detection (``vad``): only speech, packed into
+windows at speech boundaries. Every window is a ``TimeMap`` (its spans in the clip, its start
+time, its own time → the clip's). And a batch's per-item windows padded into one tensor."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import numpy as np
 
 from triton_pipelines.errors import InputError
 from triton_pipelines.pipelines.speech.config import SAMPLE_RATE, SILENCE_PEAK_TO_PEAK, WINDOW_SAMPLES
+from triton_pipelines.pipelines.speech.vad import SileroVad, TimeMap, VadOptions, pack_windows, speech_spans
 
 
 # Audio longer than one window is cut in a pause, not at exactly 30 s: within the last
@@ -57,9 +60,23 @@ def sounding_windows(audio: np.ndarray) -> list[np.ndarray]:
     return [w for w in windows if not is_silent(w)] or windows[:1]
 
 
+def plan_windows(audio: np.ndarray, vad: SileroVad | None = None, options: VadOptions = VadOptions()) -> list[TimeMap]:
+    """The windows to decode. Without ``vad``: ``window_cuts``' windows that are not digital
+    silence (the first one when all are), each one span. With it: the speech spans
+    (``vad.speech_spans``) packed into windows (``vad.pack_windows``), none when there is no
+    speech."""
+    if vad is None:
+        cuts = window_cuts(audio) + [len(audio)]
+        spans = list(zip(cuts[:-1], cuts[1:]))
+        kept = [(a, b) for a, b in spans if not is_silent(audio[a:b])] or spans[:1]
+        return [TimeMap([span]) for span in kept]
+    return [TimeMap(window) for window in pack_windows(speech_spans(vad.probabilities(audio), len(audio), options))]
+
+
 def pad_windows(features: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     """Per-item ``[windows_i, n_mels, 3000]`` → ``[items, max windows, n_mels, 3000]`` (zero
-    windows after each item's own) and ``windows_i`` as int32 ``[items]``."""
+    windows after each item's own) and ``windows_i`` as int32 ``[items]`` (0 for an item without
+    speech under VAD)."""
     if not features:
         raise InputError("input 'audio' is an empty batch: send at least one audio file")
     counts = np.array([len(f) for f in features], dtype=np.int32)

@@ -14,6 +14,7 @@ import numpy as np
 
 from triton_pipelines.pipelines.speech.config import HOP_LENGTH, SAMPLE_RATE
 from triton_pipelines.pipelines.speech.timestamps import Segment
+from triton_pipelines.pipelines.speech.vad import TimeMap, as_time_map
 
 TOKENS_PER_SECOND = 50  # encoder positions per second (1500 per 30 s)
 MEDIAN_FILTER_WIDTH = 7
@@ -162,13 +163,14 @@ def find_alignment(weights: np.ndarray, text_tokens: Sequence[int], samples: int
             zip(words, word_tokens, jump_times[boundaries[:-1]], jump_times[boundaries[1:]])]
 
 
-def window_words(tokens: AlignedTokens, span: tuple[float, float], decode, eot: int,
+def window_words(tokens: AlignedTokens, window: TimeMap, decode, eot: int,
                  language: str) -> list[WordTiming]:
     """A window's words with times in the clip: ``find_alignment``, words at sentence ends no
     longer than twice the median word (at most 0.7 s), punctuation merged (openai-whisper's
     ``add_word_timestamps``, before it splits the words among the segments: ``assign_words``)."""
     text_tokens = [t for t in tokens if t < eot]
-    samples = int(round((span[1] - span[0]) * SAMPLE_RATE))
+    window = as_time_map(window)
+    samples = window.samples
     alignment = find_alignment(tokens.weights, text_tokens, samples, decode, eot, language)
     durations = np.array([t.end - t.start for t in alignment])
     durations = durations[durations.nonzero()]
@@ -183,7 +185,8 @@ def window_words(tokens: AlignedTokens, span: tuple[float, float], decode, eot: 
                     alignment[i].start = alignment[i].end - longest
     merge_punctuations(alignment)
     for timing in alignment:
-        timing.start, timing.end = span[0] + timing.start, span[0] + timing.end
+        # through the window's time map: under VAD a window holds stretches of its clip back to back
+        timing.start, timing.end = window.original_time(timing.start), window.original_time(timing.end, is_end=True)
         timing.extra = {"median": median}
     return alignment
 

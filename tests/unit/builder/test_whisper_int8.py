@@ -1,0 +1,54 @@
+"""--whisper-int8 (the encoder's MatMul weights int8 per channel) and the VAD asset: no export of
+Whisper itself (a small graph stands in for the quantizer)."""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from repo_builder.export.whisper import (ENCODER_INT8_NOTE, WhisperSource, export_encoder, export_encoder_int8,
+                                         quantize_encoder)
+from repo_builder.speech_pipeline import SpeechPipeline, encoder_model, packaged_source, vad_model_path
+from triton_pipelines.pipelines.onnx_runner import onnx_session
+from triton_pipelines.pipelines.speech.vad import VAD_MODEL_FILE
+
+
+def test_the_int8_encoder_is_another_export_with_its_provenance():
+    source = packaged_source("test")
+    plain, int8 = encoder_model(source, "embedded"), encoder_model(source, "embedded", int8=True)
+    assert plain.export_onnx.func is export_encoder and int8.export_onnx.func is export_encoder_int8
+    assert plain.source_key != int8.source_key  # a build switches cleanly either way
+    assert ENCODER_INT8_NOTE in int8.provenance.architecture and ENCODER_INT8_NOTE not in plain.provenance.architecture
+    assert isinstance(int8.export_onnx.args[0], WhisperSource)
+
+
+def test_the_builder_flag():
+    parser = argparse.ArgumentParser()
+    SpeechPipeline.add_arguments(parser)
+    assert parser.parse_args(["--whisper-int8"]).whisper_int8 and not parser.parse_args([]).whisper_int8
+
+
+def test_quantize_encoder_makes_matmul_weights_int8_and_keeps_the_results(tmp_path):
+    rng = np.random.default_rng(0)
+    weight = rng.standard_normal((64, 32)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 64])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", 32])], [numpy_helper.from_array(weight, "w")])
+    source, target = tmp_path / "float32.onnx", tmp_path / "int8.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), source)
+    quantize_encoder(source, target)
+    ops = {node.op_type for node in onnx.load(target).graph.node}
+    assert "MatMulInteger" in ops or "DynamicQuantizeMatMul" in ops, ops
+    x = rng.standard_normal((3, 64)).astype(np.float32)
+    expected = x @ weight
+    got = onnx_session(target, 1).run(None, {"x": x})[0]
+    assert np.abs(got - expected).max() < 0.05 * np.abs(expected).max()
+
+
+def test_the_vad_model_ships_in_the_faster_whisper_wheel():
+    path = vad_model_path()
+    assert path.name == VAD_MODEL_FILE and path.stat().st_size > 1_000_000
