@@ -379,7 +379,7 @@ def test_without_the_decoder_cache_windows_are_decoded_in_encoder_sized_groups(h
 
 
 def test_noise_and_silence_alone_give_no_words(client, http_client, reference):
-    """Under VAD (the default) noise, a hum and silence have no speech: no window is decoded (the
+    """Under VAD (vad_filter true) noise, a hum and silence have no speech: no window is decoded (the
     encoder is not called) and the transcript is empty. With vad_filter false the same noise is
     decoded, as the reference decodes it (Whisper base then says something)."""
     rng = np.random.default_rng(8)
@@ -387,7 +387,7 @@ def test_noise_and_silence_alone_give_no_words(client, http_client, reference):
     hum = wav_bytes((0.1 * np.sin(2 * np.pi * 50 * t) + 0.01 * rng.standard_normal(len(t))).astype(np.float32))
     silence = wav_bytes(np.zeros(2 * SAMPLE_RATE, np.float32))
     before = http_client.statistics("whisper_encoder")["model_stats"][0]["inference_count"]
-    out = transcribe(client, [NOISE, hum, silence], [20, 20, 20])
+    out = transcribe(client, [NOISE, hum, silence], [20, 20, 20], vad_filter=[True, True, True])
     assert out["transcript"][:, 0].tolist() == [b"", b"", b""]
     assert all(ids_of(row) == [] for row in out["token_ids"])
     assert http_client.statistics("whisper_encoder")["model_stats"][0]["inference_count"] == before

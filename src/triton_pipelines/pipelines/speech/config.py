@@ -67,9 +67,11 @@ TIMESTAMP_MODES = ("none", "segment", "word")
 DEFAULT_TIMESTAMPS = "none"
 DEFAULT_TASK = "transcribe"
 DEFAULT_MAX_NEW_TOKENS = 224
-# Voice activity detection (Silero VAD, speech.vad) for a request that sends no vad_filter: only
-# speech is decoded, packed into windows at speech boundaries (docs/speech.md: its WER measured).
-DEFAULT_VAD_FILTER = True
+# Voice activity detection (Silero VAD, speech.vad) for a request that sends no vad_filter: with it
+# only speech is decoded, packed into windows at speech boundaries (docs/speech.md: its WER
+# measured). Off by default: packing removes the pauses Whisper's timestamp tokens would mark (two
+# sentences 2 s apart came back as segments that touch), so a request asks for it (vad_filter true).
+DEFAULT_VAD_FILTER = False
 
 # The parameters the builder writes into the Python models' config.pbtxt (the sources name none of
 # them): these constants are the one place each value lives (docs/design.md, "Change a limit").

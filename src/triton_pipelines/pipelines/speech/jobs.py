@@ -233,7 +233,9 @@ def decode_jobs(jobs: Sequence[DecodeJob], group_size: int, decode_group: Callab
 def item_languages(tokenizer: WhisperTokenizer, prompts: np.ndarray, windows_per_item: Sequence[int]) -> list[str]:
     """Each item's language code (given, or detected on its first window), from its prompts."""
     firsts = np.cumsum([0, *windows_per_item[:-1]])
-    return [tokenizer.language_code(int(prompts[first, 1])) if prompts[first, 1] >= 0 else "" for first in firsts]
+    # an item without windows (no speech under VAD) has no language
+    return [tokenizer.language_code(int(prompts[first, 1])) if count and prompts[first, 1] >= 0 else ""
+            for first, count in zip(firsts, windows_per_item)]
 
 
 def segments_json(tokenizer: WhisperTokenizer, windows: Sequence[list[int]], spans: Sequence[TimeMap],
