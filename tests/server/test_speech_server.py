@@ -405,5 +405,5 @@ def test_a_long_file_is_cut_at_speech_boundaries(client, reference):
     pause = np.zeros(3 * SAMPLE_RATE, np.float32)
     long_audio = wav_bytes(np.concatenate([speech] + [np.concatenate([pause, speech])] * 11))
     assert len(reference.encoded(long_audio, vad=True)) == 2 and len(reference.encoded(long_audio, vad=False)) == 3
-    out = transcribe(client, [long_audio], [40])
+    out = transcribe(client, [long_audio], [40], vad_filter=[True])
     assert ids_of(out["token_ids"][0]) == reference.tokens(long_audio, max_new_tokens=40, vad=True)
