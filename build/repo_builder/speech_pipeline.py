@@ -87,11 +87,11 @@ def vad_model_path() -> Path:
     """Silero VAD v6 (MIT) in the assets of the faster-whisper package (requirements.txt; never imported)."""
     spec = importlib.util.find_spec("faster_whisper")
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("faster-whisper is not installed (its Silero VAD file is audio_features' VAD): "
-                           "run `make install`")
+        raise WeightsError(f"{VAD_PACKAGE} is not installed (its Silero VAD file is audio_features' VAD): "
+                           "run `make install` (pip install --no-deps -r requirements-nodeps.txt)")
     path = Path(list(spec.submodule_search_locations)[0]) / "assets" / VAD_MODEL_FILE
     if not path.is_file():
-        raise RuntimeError(f"{path} is missing: faster-whisper {VAD_PACKAGE} ships it")
+        raise WeightsError(f"{path} is missing: {VAD_PACKAGE} ships it; reinstall it")
     return path
 
 
@@ -99,7 +99,7 @@ def whisper_assets_dir() -> Path:
     """``whisper/assets`` of the openai-whisper package (installed --no-deps; never imported)."""
     spec = importlib.util.find_spec("whisper")
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("openai-whisper is not installed: run `make install` "
+        raise WeightsError("openai-whisper is not installed: run `make install` "
                            "(pip install --no-deps -r requirements-nodeps.txt)")
     return Path(list(spec.submodule_search_locations)[0]) / "assets"
 

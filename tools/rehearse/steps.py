@@ -107,8 +107,14 @@ class Steps:
                 # Run the compose file's own healthcheck command as the timer would (its interval:
                 # this loop's 5 s); podman records the result and compose reports it.
                 run(["podman", "healthcheck", "run", triton["Name"]], check=False, capture=True)
-            if triton is None or triton.get("State") in ("exited", "dead") or time.monotonic() > deadline:
-                raise RuntimeError(f"triton-cpu not healthy: {triton} (log: compose logs, {self.r.logfile})")
+            builder = next((row for row in rows if row.get("Service") == "repository-builder-cpu"), {})
+            # compose starts triton-cpu only once the builder exits 0: after a failure it stays "created".
+            builder_failed = builder.get("State") in ("exited", "dead") and builder.get("ExitCode") not in (0, None)
+            if triton is None or triton.get("State") in ("exited", "dead") or builder_failed or \
+                    time.monotonic() > deadline:
+                raise RuntimeError(f"triton-cpu not healthy (state {(triton or {}).get('State')!r}, health "
+                                   f"{health!r}); {self.service_states(rows)}; last lines:\n"
+                                   f"{self.tail_logs()}\n(log: compose logs, {self.r.logfile})")
             time.sleep(5)
         user = run(["podman", "exec", triton["Name"], "id", "-u"], capture=True).stdout.decode().strip()
         if user != "1000":
@@ -123,6 +129,18 @@ class Steps:
                         if "[repo_builder] embedded repository at" in line), "builder summary not found")
         return (f"builder service done ({summary}) and triton-cpu up in {built:.0f} s, healthy after "
                 f"{time.monotonic() - started:.0f} s, as uid {user}")
+
+    def service_states(self, rows: list[dict]) -> str:
+        return ", ".join(f"{row.get('Service')}: {row.get('State')} {row.get('Status', '')}".strip() for row in rows)
+
+    def tail_logs(self, lines: int = 25) -> str:
+        """The builder's and the server's last lines, into the failure line (CI keeps no log file)."""
+        logs = self.compose("--profile", "cpu", "logs", "--no-color", "--timestamps", "repository-builder-cpu",
+                            "triton-cpu", capture=True, check=False, timeout=120)
+        text = (logs.stdout + logs.stderr).decode(errors="replace")
+        with open(self.r.logfile, "a") as log:
+            log.write(text)
+        return "\n".join(text.splitlines()[-lines:])
 
     def ps(self) -> list[dict]:
         out = self.compose("--profile", "cpu", "ps", "-a", "--format", "json", capture=True).stdout.decode()

@@ -291,3 +291,47 @@ def test_nginx_error_log_is_stderr_in_both_server_images():
     /var/log/nginx/error.log first, which the server's user cannot write unless it is stderr."""
     for stage in ("serving", "cpu-serving"):
         assert "ln -sf /dev/stderr /var/log/nginx/error.log" in stage_text(stage), stage
+
+
+def builder_asset_lookups() -> dict[str, Path]:
+    """Every file or folder the builder takes from an installed package, by the builder's own lookup
+    functions (the packages are found by ``importlib.util.find_spec``, never imported)."""
+    from repo_builder import ct2_whisper, speech_pipeline
+    from repo_builder.export import efficientnet
+
+    found = {"whisper VAD": speech_pipeline.vad_model_path(), "whisper assets": speech_pipeline.whisper_assets_dir(),
+             "efficientnet weights": efficientnet.weights_path()}
+    found.update({f"whisper weights {package}": ct2_whisper.package_data_dir(package)
+                  for package in ct2_whisper.WEIGHT_PACKAGES})
+    return found
+
+
+def test_the_builder_image_installs_every_package_the_builder_takes_files_from():
+    """The builder image holds requirements-builder.txt and requirements-nodeps.txt only: a package the
+    builder reads a file from must be there, not only in the development venv's requirements.txt
+    (stop 38: the Silero VAD file came from faster-whisper, which only requirements.txt installed, and
+    the cpu profile's builder service failed at its first start)."""
+    import sysconfig
+    from importlib import metadata
+
+    from packaging.utils import canonicalize_name
+
+    stage = IMAGES["builder"]
+    provided = set()
+    for name, no_deps in stage[2]:
+        if no_deps:
+            provided |= {canonicalize_name(line.split("#")[0].split("==")[0].strip())
+                         for line in (PROJECT_ROOT / name).read_text().splitlines() if line.split("#")[0].strip()}
+        else:
+            provided |= requirement_closure(PROJECT_ROOT / name, python=stage[0])
+    site = Path(sysconfig.get_paths()["purelib"]).resolve()
+    owners = metadata.packages_distributions()
+    missing = {}
+    for what, path in builder_asset_lookups().items():
+        assert path.exists(), f"{what}: {path}"
+        top = path.resolve().relative_to(site).parts[0]
+        distributions = {canonicalize_name(d) for d in owners.get(top, [])}
+        assert distributions, f"{what}: no distribution owns {top}"
+        if not distributions & provided:
+            missing[what] = sorted(distributions)
+    assert not missing, f"the builder image does not install what the builder reads: {missing}"
