@@ -1,10 +1,11 @@
 """Encoded audio bytes → Whisper log-mel windows ``[windows, n_mels, 3000]`` per item.
 
 Decoding, downmix, resampling, voice activity detection (Silero VAD: optional input
-``vad_filter``, default the parameter ``vad_filter``) and the spectrogram live in
+``vad_filter``, true: pack, false: off; default the parameter ``vad_mode``, ``config.VAD_MODES``)
+and the spectrogram live in
 ``triton_pipelines.pipelines.speech``; a bad item fails its own request only."""
 
-from triton_pipelines.pipelines.speech.features import load_mel_filters, pad_time_maps, request_features, vad_flags
+from triton_pipelines.pipelines.speech.features import load_mel_filters, pad_time_maps, request_features, vad_modes
 from triton_pipelines.pipelines.speech.vad import VAD_MODEL_FILE, SileroVad
 from triton_pipelines.pipelines.speech.windows import pad_windows
 from triton_pipelines.stub.model_args import model_parameters, version_dir
@@ -20,15 +21,15 @@ class TritonPythonModel:
                        "max_decoded_samples": int(parameters["max_decoded_samples"]),
                        "min_sample_rate": int(parameters["min_sample_rate"])}
         self.vad = SileroVad(version_dir(args) / VAD_MODEL_FILE)
-        self.vad_default = parameters["vad_filter"] == "true"
+        self.vad_default = parameters["vad_mode"]
 
     def execute(self, requests):
         return respond(requests, self.features)
 
     def features(self, request):
         items = input_array(request, "audio").reshape(-1)
-        flags = vad_flags(input_array(request, "vad_filter"), len(items), self.vad_default)
-        timed = request_features(items, flags, self.filters, self.vad, **self.limits)
+        modes = vad_modes(input_array(request, "vad_filter"), len(items), self.vad_default)
+        timed = request_features(items, modes, self.filters, self.vad, **self.limits)
         stacked, counts = pad_windows([features for features, _ in timed])
         return {"input_features": stacked, "num_windows": counts.reshape(-1, 1),
                 "window_spans": pad_time_maps([maps for _, maps in timed])}

@@ -1,8 +1,8 @@
 """Audio → transcript, streamed: a decoupled model that sends a partial transcript (``transcript``
 so far, ``delta`` since the last response) as tokens are decoded and one final response
 (``is_final``, ``segments``: one per window with its times, or one per timestamp pair with
-``timestamps: segment``; ``language``: given or detected), flagged final. With the parameter
-``vad_filter`` (audio_features' default) only speech is windowed (Silero VAD).
+``timestamps: segment``; ``language``: given or detected), flagged final. Silero VAD as the
+parameter ``vad_mode`` says (audio_features' default, ``config.VAD_MODES``).
 
 It does ``audio_features``' step in process (it needs each window's span in the audio) and
 ``whisper_decode``'s loop over BLS calls to ``whisper_encoder`` / ``whisper_decoder``
@@ -14,7 +14,7 @@ only the final response."""
 import triton_python_backend_utils as pb_utils
 
 from triton_pipelines.errors import InputError
-from triton_pipelines.pipelines.speech.features import load_mel_filters
+from triton_pipelines.pipelines.speech.features import load_mel_filters, vad_arguments
 from triton_pipelines.pipelines.speech.streaming import StreamDecode, plan_stream_job
 from triton_pipelines.pipelines.speech.vad import VAD_MODEL_FILE, SileroVad
 from triton_pipelines.stub.model_args import version_dir
@@ -32,8 +32,8 @@ class TritonPythonModel:
         self.limits = {"max_seconds": float(p["max_audio_seconds"]), "max_bytes": int(p["max_audio_bytes"]),
                        "max_decoded_samples": int(p["max_decoded_samples"]), "min_sample_rate": int(p["min_sample_rate"])}
         self.filters = load_mel_filters(version_dir(args) / "mel_filters.npz", int(p["n_mels"]))
-        # Silero VAD as audio_features applies it by default (the parameter vad_filter): speech only
-        self.limits["vad"] = SileroVad(version_dir(args) / VAD_MODEL_FILE) if p["vad_filter"] == "true" else None
+        # Silero VAD as audio_features applies it by default (the parameter vad_mode, config.VAD_MODES)
+        self.limits.update(vad_arguments(p["vad_mode"], SileroVad(version_dir(args) / VAD_MODEL_FILE)))
 
     def execute(self, requests):
         traced = begin(requests)  # None unless tracing (stub/tracing.py): its BLS calls join the trace

@@ -28,8 +28,8 @@ import soundfile
 
 from triton_pipelines.client import TritonClient, text_tensor
 from triton_pipelines.pipelines.speech.audio import decode_audio
-from triton_pipelines.pipelines.speech.config import DEFAULT_VAD_FILTER, SAMPLE_RATE
-from triton_pipelines.pipelines.speech.features import audio_to_features, load_mel_filters
+from triton_pipelines.pipelines.speech.config import DEFAULT_VAD_MODE, SAMPLE_RATE
+from triton_pipelines.pipelines.speech.features import audio_to_features, load_mel_filters, vad_arguments
 from triton_pipelines.pipelines.speech.tokenizer import WhisperTokenizer
 from triton_pipelines.pipelines.speech.vad import VAD_MODEL_FILE, SileroVad
 from triton_pipelines.pipelines.speech.windows import plan_windows, window_cuts
@@ -252,8 +252,8 @@ def faster_whisper_float32(repository) -> FasterWhisperGreedy:
 def parity_reference(faster_whisper_float32, clips, repository) -> list[list[int]]:
     """faster-whisper float32's greedy tokens for every corpus clip, from our features."""
     filters = load_mel_filters(repository / "audio_features" / "1" / "mel_filters.npz", 80)
-    vad = server_vad(repository) if DEFAULT_VAD_FILTER else None
-    features = np.concatenate([audio_to_features(clips[i], filters, vad=vad) for i in PARITY_CLIPS])
+    vad = vad_arguments(DEFAULT_VAD_MODE, server_vad(repository))  # as the server windows a clip by default
+    features = np.concatenate([audio_to_features(clips[i], filters, **vad) for i in PARITY_CLIPS])
     assert len(features) == len(PARITY_CLIPS)
     return faster_whisper_float32.tokens(features, [CORPUS[i].language for i in PARITY_CLIPS])
 

@@ -17,8 +17,8 @@ import pytest
 import soundfile
 
 from triton_pipelines.client import InferenceServerException, TritonClient, text_tensor
-from triton_pipelines.pipelines.speech.config import DEFAULT_VAD_FILTER, SAMPLE_RATE
-from triton_pipelines.pipelines.speech.features import audio_to_features, load_mel_filters
+from triton_pipelines.pipelines.speech.config import DEFAULT_VAD_MODE, SAMPLE_RATE, VAD_FILTER_MODES
+from triton_pipelines.pipelines.speech.features import audio_to_features, load_mel_filters, vad_arguments
 from triton_pipelines.pipelines.speech.jobs import join_transcript
 from triton_pipelines.pipelines.speech.reference import WhisperOnnx
 from triton_pipelines.pipelines.speech.tokenizer import WhisperTokenizer
@@ -58,12 +58,14 @@ class Reference:
         self.tokenizer = WhisperTokenizer.for_vocab_size(
             repository / "whisper_decode" / "1" / "multilingual.tiktoken", self.whisper.shape.vocab_size)
         self.vad = SileroVad(repository / "audio_features" / "1" / VAD_MODEL_FILE)
-        self._encoded: dict[tuple[str, bool], list[dict[str, np.ndarray]]] = {}
+        self._encoded: dict[tuple[str, bool | str], list[dict[str, np.ndarray]]] = {}
 
-    def features(self, audio: bytes, vad: bool = DEFAULT_VAD_FILTER) -> np.ndarray:
-        return audio_to_features(audio, self.filters, vad=self.vad if vad else None)
+    def features(self, audio: bytes, vad: bool | str = DEFAULT_VAD_MODE) -> np.ndarray:
+        """``vad``: a VAD mode, or a request's vad_filter (true: pack, false: off)."""
+        mode = VAD_FILTER_MODES[vad] if isinstance(vad, bool) else vad
+        return audio_to_features(audio, self.filters, **vad_arguments(mode, self.vad))
 
-    def encoded(self, audio: bytes, vad: bool = DEFAULT_VAD_FILTER) -> list[dict[str, np.ndarray]]:
+    def encoded(self, audio: bytes, vad: bool | str = DEFAULT_VAD_MODE) -> list[dict[str, np.ndarray]]:
         """Each window's cross K/V, computed once per clip: with real Whisper base the encoder is
         most of a decode, and the tests ask for the same clips with many options."""
         key = (hashlib.sha256(audio).hexdigest(), vad)
@@ -72,12 +74,12 @@ class Reference:
             self._encoded[key] = [self.whisper.encode(features[i:i + 1]) for i in range(len(features))]
         return self._encoded[key]
 
-    def language(self, audio: bytes, vad: bool = DEFAULT_VAD_FILTER) -> str:
+    def language(self, audio: bytes, vad: bool | str = DEFAULT_VAD_MODE) -> str:
         """The clip's language as openai-whisper detects it: on its first window."""
         return self.whisper.detect_language(self.encoded(audio, vad)[0], self.tokenizer)[0]
 
     def windows(self, audio: bytes, language="auto", task="transcribe", max_new_tokens=4,
-                vad: bool = DEFAULT_VAD_FILTER) -> list[list[int]]:
+                vad: bool | str = DEFAULT_VAD_MODE) -> list[list[int]]:
         """Each window alone; ``auto`` (what the server does without a language): the language
         detected on the first window (``language``)."""
         if not self.encoded(audio, vad):
@@ -379,18 +381,21 @@ def test_without_the_decoder_cache_windows_are_decoded_in_encoder_sized_groups(h
 
 
 def test_noise_and_silence_alone_give_no_words(client, http_client, reference):
-    """Under VAD (vad_filter true) noise, a hum and silence have no speech: no window is decoded (the
-    encoder is not called) and the transcript is empty. With vad_filter false the same noise is
-    decoded, as the reference decodes it (Whisper base then says something)."""
+    """By default (VAD mode ``windows``) and under vad_filter true (``pack``) noise, a hum and silence
+    have no speech: no window is decoded (the encoder is not called) and the transcript is empty.
+    With vad_filter false (no VAD) the same noise is decoded, as the reference decodes it (Whisper
+    base then says something)."""
     rng = np.random.default_rng(8)
     t = np.arange(3 * SAMPLE_RATE) / SAMPLE_RATE
     hum = wav_bytes((0.1 * np.sin(2 * np.pi * 50 * t) + 0.01 * rng.standard_normal(len(t))).astype(np.float32))
     silence = wav_bytes(np.zeros(2 * SAMPLE_RATE, np.float32))
-    before = http_client.statistics("whisper_encoder")["model_stats"][0]["inference_count"]
-    out = transcribe(client, [NOISE, hum, silence], [20, 20, 20], vad_filter=[True, True, True])
-    assert out["transcript"][:, 0].tolist() == [b"", b"", b""]
-    assert all(ids_of(row) == [] for row in out["token_ids"])
-    assert http_client.statistics("whisper_encoder")["model_stats"][0]["inference_count"] == before
+    assert DEFAULT_VAD_MODE == "windows"
+    for vad_filter in (None, [True, True, True]):
+        before = http_client.statistics("whisper_encoder")["model_stats"][0]["inference_count"]
+        out = transcribe(client, [NOISE, hum, silence], [20, 20, 20], vad_filter=vad_filter)
+        assert out["transcript"][:, 0].tolist() == [b"", b"", b""], vad_filter
+        assert all(ids_of(row) == [] for row in out["token_ids"])
+        assert http_client.statistics("whisper_encoder")["model_stats"][0]["inference_count"] == before
     plain = transcribe(client, [NOISE], [20], vad_filter=[False])
     expected = reference.tokens(NOISE, max_new_tokens=20, vad=False)
     assert ids_of(plain["token_ids"][0]) == expected and expected != []

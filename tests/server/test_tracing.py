@@ -1,5 +1,5 @@
 """One trace per request across every process it crosses (issue 35), exported to a loopback OTLP
-receiver that decodes the real protobuf (tests/support/otlp_receiver.py): the screen's span (HTTP
+receiver that decodes the real protobuf (tools/otlp_receiver.py): the screen's span (HTTP
 and gRPC) with tritonserver's (OpenTelemetry mode: the ensemble, each composing model) and the
 stubs' (tokenizer, image decode, audio features, whisper_decode's BLS loop, the router's BLS and
 gateway calls) under it, the /v1 frontend's with the gateway's (GenAI attributes), the trace id in
@@ -23,7 +23,7 @@ from triton_pipelines.gateway.ledger import SpendLedger
 from triton_pipelines.telemetry import names
 
 from tests.conftest import LOG_DIR, ensure_repository, environment
-from tests.support.otlp_receiver import OtlpReceiver, describe, tree_problems
+from tools.otlp_receiver import EMBEDDING_TREE, OtlpReceiver, describe, missing_spans, tree_problems
 from tests.support.paths import TEST_DATA
 
 MODELS = ["text_embedding", "image_classification", "speech_recognition", "speech_recognition_stream",
@@ -87,13 +87,8 @@ def text_request(text: str) -> dict:
     return {"inputs": [{"name": "text", "shape": [1, 1], "datatype": "BYTES", "data": [text]}]}
 
 
-EMBEDDING_TREE = [("screen text_embedding", "screen"), ("InferRequest", "tritonserver"),
-                  ("text_embedding", "tritonserver"), ("text_tokenizer", "tritonserver"),
-                  ("text_encoder", "tritonserver"), ("text_tokenizer", "stub"), ("text_encoder", "stub")]
-
-
 def check_tree(spans, wanted, client_span: str) -> None:
-    missing = [w for w in wanted if not named(spans, *w)]
+    missing = missing_spans(spans, wanted)
     assert not missing, f"spans missing {missing}:\n{describe(spans)}"
     assert not tree_problems(spans, client_span), f"{tree_problems(spans, client_span)}:\n{describe(spans)}"
     assert {s.service for s in spans} == {"pipelines-test"}

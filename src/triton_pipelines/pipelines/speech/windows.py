@@ -1,6 +1,6 @@
-"""Window planning: 16 kHz audio cut into Whisper's 30 s windows, either in pauses with digitally
-silent windows left out, or with voice activity detection (``vad``): only speech, packed into
-windows at speech boundaries. Every window is a ``TimeMap`` (its spans in the clip, its start
+"""Window planning: 16 kHz audio cut into Whisper's 30 s windows in pauses, with digitally silent
+windows left out, or with voice activity detection (``vad``) only the windows with speech, or only
+speech packed into windows at speech boundaries (``config.VAD_MODES``). Every window is a ``TimeMap`` (its spans in the clip, its start
 time, its own time → the clip's). And a batch's per-item windows padded into one tensor."""
 
 from __future__ import annotations
@@ -21,9 +21,11 @@ SEAM_SEARCH_SECONDS = 5.0
 SEAM_QUIET_SECONDS = 0.2
 
 
-def window_cuts(audio: np.ndarray) -> list[int]:
+def window_cuts(audio: np.ndarray, speech: Sequence[tuple[int, int]] = ()) -> list[int]:
     """Sample offsets where each window starts: 0, then one cut per window of a longer clip, each
-    window at most 30 s and at least 30 s − ``SEAM_SEARCH_SECONDS``, cut in the quietest stretch."""
+    window at most 30 s and at least 30 s − ``SEAM_SEARCH_SECONDS``, cut in the quietest stretch;
+    with ``speech`` (VAD's spans, in samples), in the quietest stretch outside them where there is
+    one (under noise, the quietest stretch can be a syllable's gap inside speech)."""
     quiet = int(SEAM_QUIET_SECONDS * SAMPLE_RATE)
     search = int(SEAM_SEARCH_SECONDS * SAMPLE_RATE)
     cuts, start = [0], 0
@@ -33,6 +35,11 @@ def window_cuts(audio: np.ndarray) -> list[int]:
         region = audio[low - quiet // 2:high + quiet - quiet // 2].astype(np.float64)
         running = np.concatenate([[0.0], np.cumsum(region * region)])
         power = (running[quiet:] - running[:-quiet]) / quiet  # mean power of the stretch centred on low..high
+        inside = np.zeros(len(power), dtype=bool)
+        for a, b in speech:
+            inside[max(a - low, 0):max(min(b - low, len(power)), 0)] = True
+        if inside.any() and not inside.all():
+            power = np.where(inside, np.inf, power)
         # The latest of the quietest positions (within 1e-10, -100 dBFS: digital silence ties),
         # so that windows stay long.
         best = int(np.flatnonzero(power <= power.min() + 1e-10)[-1])
@@ -60,17 +67,25 @@ def sounding_windows(audio: np.ndarray) -> list[np.ndarray]:
     return [w for w in windows if not is_silent(w)] or windows[:1]
 
 
-def plan_windows(audio: np.ndarray, vad: SileroVad | None = None, options: VadOptions = VadOptions()) -> list[TimeMap]:
-    """The windows to decode. Without ``vad``: ``window_cuts``' windows that are not digital
-    silence (the first one when all are), each one span. With it: the speech spans
-    (``vad.speech_spans``) packed into windows (``vad.pack_windows``), none when there is no
+def plan_windows(audio: np.ndarray, vad: SileroVad | None = None, options: VadOptions = VadOptions(),
+                 pack: bool = True) -> list[TimeMap]:
+    """The windows to decode, each a ``TimeMap``. Without ``vad``: ``window_cuts``' windows that are
+    not digital silence (the first one when all are), each one span. With it and ``pack``: the
+    speech spans (``vad.speech_spans``) packed into windows (``vad.pack_windows``). With it and not
+    ``pack``: ``window_cuts``' windows (cut outside speech where they can be) that overlap a speech
+    span: a clip of up to 30 s keeps its one window as without VAD. With VAD, none when there is no
     speech."""
     if vad is None:
         cuts = window_cuts(audio) + [len(audio)]
         spans = list(zip(cuts[:-1], cuts[1:]))
         kept = [(a, b) for a, b in spans if not is_silent(audio[a:b])] or spans[:1]
         return [TimeMap([span]) for span in kept]
-    return [TimeMap(window) for window in pack_windows(speech_spans(vad.probabilities(audio), len(audio), options))]
+    speech = speech_spans(vad.probabilities(audio), len(audio), options)
+    if pack:
+        return [TimeMap(window) for window in pack_windows(speech)]
+    cuts = window_cuts(audio, speech) + [len(audio)]
+    return [TimeMap([(a, b)]) for a, b in zip(cuts[:-1], cuts[1:])
+            if any(start < b and end > a for start, end in speech)]
 
 
 def pad_windows(features: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:

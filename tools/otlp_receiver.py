@@ -1,6 +1,7 @@
-"""A loopback OTLP/HTTP trace receiver for the tests: ``POST /v1/traces`` with an
+"""An OTLP/HTTP trace receiver for the tests and `make rehearse`: ``POST /v1/traces`` with an
 ``ExportTraceServiceRequest`` in protobuf, decoded with ``opentelemetry-proto`` (the real schema),
-its spans kept as plain ``ReceivedSpan`` rows. ``delay_s`` makes it a slow receiver.
+its spans kept as plain ``ReceivedSpan`` rows. ``delay_s`` makes it a slow receiver. It listens on
+loopback unless ``host`` says otherwise (the rehearsal's containers reach it on the host's address).
 
     with OtlpReceiver() as receiver:
         env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, ...}
@@ -81,7 +82,7 @@ def decode(body: bytes, content_type: str = "application/x-protobuf") -> list[Re
 
 
 class OtlpReceiver:
-    def __init__(self, delay_s: float = 0.0):
+    def __init__(self, delay_s: float = 0.0, host: str = "127.0.0.1"):
         self.delay_s = delay_s
         self.spans: list[ReceivedSpan] = []
         self.requests = 0
@@ -111,9 +112,10 @@ class OtlpReceiver:
             def log_message(self, *args):
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = ThreadingHTTPServer((host, 0), Handler)
         self.server.daemon_threads = True
-        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.port = self.server.server_address[1]
+        self.endpoint = f"http://{host}:{self.port}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
 
@@ -140,6 +142,20 @@ class OtlpReceiver:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+# The spans one traced ``text_embedding`` request makes, (span name, process): the screen's, tritonserver's
+# (the request, the ensemble, each composing model) and each stub's (tests/server/test_tracing.py and
+# `make rehearse`, from inside the containers).
+EMBEDDING_TREE = [("screen text_embedding", "screen"), ("InferRequest", "tritonserver"),
+                  ("text_embedding", "tritonserver"), ("text_tokenizer", "tritonserver"),
+                  ("text_encoder", "tritonserver"), ("text_tokenizer", "stub"), ("text_encoder", "stub")]
+
+
+def missing_spans(spans: list[ReceivedSpan], wanted: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The (span name, process) pairs of ``wanted`` that ``spans`` lack."""
+    return [(name, process) for name, process in wanted
+            if not any(s.name == name and s.process == process for s in spans)]
 
 
 def tree_problems(spans: list[ReceivedSpan], root_parent: str = "") -> list[str]:
