@@ -1,8 +1,8 @@
 """Audio → transcript, streamed: a decoupled model that sends a partial transcript (``transcript``
 so far, ``delta`` since the last response) as tokens are decoded and one final response
 (``is_final``, ``segments``: one per window with its times, or one per timestamp pair with
-``timestamps: segment``; ``language``: given or detected), flagged final. Silero VAD as the
-parameter ``vad_mode`` says (audio_features' default, ``config.VAD_MODES``).
+``timestamps: segment``; ``language``: given or detected), flagged final. Silero VAD as
+``audio_features`` applies it: the optional input ``vad_filter``, else the parameter ``vad_mode``.
 
 It does ``audio_features``' step in process (it needs each window's span in the audio) and
 ``whisper_decode``'s loop over BLS calls to ``whisper_encoder`` / ``whisper_decoder``
@@ -14,7 +14,7 @@ only the final response."""
 import triton_python_backend_utils as pb_utils
 
 from triton_pipelines.errors import InputError
-from triton_pipelines.pipelines.speech.features import load_mel_filters, vad_arguments
+from triton_pipelines.pipelines.speech.features import load_mel_filters
 from triton_pipelines.pipelines.speech.streaming import StreamDecode, plan_stream_job
 from triton_pipelines.pipelines.speech.vad import VAD_MODEL_FILE, SileroVad
 from triton_pipelines.stub.model_args import version_dir
@@ -32,8 +32,9 @@ class TritonPythonModel:
         self.limits = {"max_seconds": float(p["max_audio_seconds"]), "max_bytes": int(p["max_audio_bytes"]),
                        "max_decoded_samples": int(p["max_decoded_samples"]), "min_sample_rate": int(p["min_sample_rate"])}
         self.filters = load_mel_filters(version_dir(args) / "mel_filters.npz", int(p["n_mels"]))
-        # Silero VAD as audio_features applies it by default (the parameter vad_mode, config.VAD_MODES)
-        self.limits.update(vad_arguments(p["vad_mode"], SileroVad(version_dir(args) / VAD_MODEL_FILE)))
+        # Silero VAD as audio_features applies it: the input vad_filter, else the parameter vad_mode
+        self.vad = SileroVad(version_dir(args) / VAD_MODEL_FILE)
+        self.vad_default = p["vad_mode"]
 
     def execute(self, requests):
         traced = begin(requests)  # None unless tracing (stub/tracing.py): its BLS calls join the trace
@@ -64,5 +65,7 @@ class TritonPythonModel:
 
     def plan(self, request):
         return plan_stream_job(self.whisper.tokenizer, self.filters, input_array(request, "audio"),
-                               *(input_array(request, name) for name in ("language", "task", "max_new_tokens", "timestamps")),
-                               parameters=request_parameters(request), limits=self.limits, **self.whisper.defaults)
+                               *(input_array(request, name)
+                                 for name in ("language", "task", "max_new_tokens", "timestamps", "vad_filter")),
+                               parameters=request_parameters(request), limits=self.limits, vad=self.vad,
+                               vad_default=self.vad_default, **self.whisper.defaults)

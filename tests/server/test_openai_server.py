@@ -397,6 +397,26 @@ def test_a_pause_between_two_sentences_shows_in_the_verbose_json_segments(client
     assert after[0].start - before[-1].end >= 1.4, verbose.segments
 
 
+def test_noise_gives_no_words_by_default_and_vad_filter_is_a_form_field(client):
+    """VAD by default (mode windows): 4 s of noise is an empty transcript; the form field vad_filter
+    (speaches' name; the openai client sends it through extra_body) false turns VAD off, and Whisper
+    base then says something about the noise; true (pack) is empty again."""
+    import io
+
+    import soundfile
+
+    noise = (0.05 * np.random.default_rng(11).standard_normal(4 * 16000)).astype(np.float32)
+    buffer = io.BytesIO()
+    soundfile.write(buffer, noise, 16000, format="WAV")
+    texts = [client.audio.transcriptions.create(model="speech_recognition", file=("noise.wav", buffer.getvalue()),
+                                                **({"extra_body": {"vad_filter": value}} if value else {})).text
+             for value in (None, "false", "true")]
+    assert texts[0] == "" and texts[1].strip() != "" and texts[2] == "", texts
+    with pytest.raises(openai.BadRequestError, match="vad_filter"):
+        client.audio.transcriptions.create(model="speech_recognition", file=("noise.wav", buffer.getvalue()),
+                                           extra_body={"vad_filter": "maybe"})
+
+
 def test_translation(client):
     result = client.audio.translations.create(model="speech_recognition", file=("a.wav", HELLO.read_bytes()))
     assert "speech recognition" in result.text.lower()

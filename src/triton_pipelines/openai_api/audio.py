@@ -12,7 +12,7 @@ from triton_pipelines.openai_api import transcripts
 from triton_pipelines.openai_api.metrics import Metrics
 from triton_pipelines.openai_api.multipart import read_multipart
 from triton_pipelines.openai_api.replies import reply
-from triton_pipelines.openai_api.triton_grpc import Triton, bytes_input, triton_error
+from triton_pipelines.openai_api.triton_grpc import Triton, bool_input, bytes_input, triton_error
 
 STREAM_MODEL = "speech_recognition_stream"
 SPEECH_TIMEOUT_S = REQUEST_TIMEOUT_S
@@ -43,6 +43,8 @@ class ServingAudio:
         if parsed.timestamps:
             mode = b"word" if "word" in granularities else b"segment"
             inputs.append(bytes_input(grpcclient, "timestamps", [mode]))
+        if parsed.vad_filter is not None:
+            inputs.append(bool_input(grpcclient, "vad_filter", parsed.vad_filter))
         call, done = self.triton.stream(STREAM_MODEL, inputs, {"partials": parsed.stream}, SPEECH_TIMEOUT_S)
         endpoint = request.path
         try:

@@ -380,6 +380,9 @@ class TranscriptionRequest:
     temperature: float
     prompt: str | None
     filename: str
+    # Not OpenAI's: Silero VAD as speaches and faster-whisper name it (true: only speech, packed into
+    # windows; false: none; None, absent: the server's default, docs/speech.md).
+    vad_filter: bool | None = None
 
     @property
     def timestamps(self) -> bool:
@@ -389,7 +392,7 @@ class TranscriptionRequest:
 
 TRANSCRIPTION_FIELDS = {"file", "model", "language", "prompt", "response_format", "temperature", "stream",
                         "timestamp_granularities[]", "timestamp_granularities", "include[]", "include",
-                        "chunking_strategy"}
+                        "chunking_strategy", "vad_filter"}
 
 
 def parse_transcription(fields: Mapping[str, str], filename: str | None, file_size: int | None, task: str,
@@ -415,8 +418,9 @@ def parse_transcription(fields: Mapping[str, str], filename: str | None, file_si
                       f"is sent as transcript.text.delta / transcript.text.done events", "stream")
     temperature = _text_number(fields, "temperature", 0.0, 1.0, default=0.0)
     prompt = _string(fields, "prompt", max_chars=MAX_FIELD_BYTES)
+    vad_filter = _text_boolean(fields, "vad_filter") if "vad_filter" in fields else None
     return TranscriptionRequest(name, task, language, response_format, stream, float(temperature), prompt,
-                                filename or "")
+                                filename or "", vad_filter)
 
 
 # ----------------------------------------------------------------------------------- chat

@@ -110,6 +110,13 @@ def bytes_input(grpcclient, name: str, values: list[bytes]):
     return tensor
 
 
+def bool_input(grpcclient, name: str, value: bool):
+    """One BOOL ``[1, 1]`` input (a per-request flag such as ``vad_filter``)."""
+    tensor = grpcclient.InferInput(name, [1, 1], "BOOL")
+    tensor.set_data_from_numpy(np.array([[value]], dtype=bool))
+    return tensor
+
+
 def bytes_request(pb, model: str, name: str, values: list[bytes], output: str):
     """A ``ModelInferRequest`` of one BYTES input ``[len(values), 1]`` (Triton's raw form: each
     element its 4-byte little-endian length, then its bytes) asking for ``output``."""

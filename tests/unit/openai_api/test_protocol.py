@@ -154,13 +154,16 @@ def test_transcription_fields():
     request = transcription(language="DE", response_format="srt", temperature="0")
     assert (request.language, request.response_format, request.stream) == ("de", "srt", False)
     assert transcription(stream="true").stream and transcription(model="whisper-1").model == "speech_recognition"
+    # vad_filter (speaches' and faster-whisper's name): absent is the server's default, not false
+    assert [transcription(**v).vad_filter for v in ({}, {"vad_filter": "true"}, {"vad_filter": "False"})] == \
+        [None, True, False]
 
 
 @pytest.mark.parametrize("fields, param", [
     ({"language": "xx"}, "language"), ({"response_format": "mp3"}, "response_format"),
     ({"temperature": "2"}, "temperature"), ({"temperature": "warm"}, "temperature"),
     ({"stream": "maybe"}, "stream"), ({"stream": "true", "response_format": "srt"}, "stream"),
-    ({"model": "text_embedding"}, "model"),
+    ({"model": "text_embedding"}, "model"), ({"vad_filter": "yes"}, "vad_filter"),
 ])
 def test_bad_transcription_fields_name_the_field(fields, param):
     error = error_of(transcription, **fields)

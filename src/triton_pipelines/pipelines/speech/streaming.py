@@ -11,8 +11,8 @@ import numpy as np
 
 from triton_pipelines.errors import InputError, as_bytes
 from triton_pipelines.pipelines.speech.decoding import GreedyBatch, fill_languages
-from triton_pipelines.pipelines.speech.features import audio_to_windows
-from triton_pipelines.pipelines.speech.vad import TimeMap, as_time_map
+from triton_pipelines.pipelines.speech.features import audio_to_windows, vad_arguments, vad_modes
+from triton_pipelines.pipelines.speech.vad import SileroVad, TimeMap, as_time_map
 from triton_pipelines.pipelines.speech.jobs import CancelWatch, item_languages, plan_request, segments_json
 from triton_pipelines.pipelines.speech.tokenizer import WhisperTokenizer
 
@@ -146,13 +146,17 @@ class StreamDecode:
 
 def plan_stream_job(tokenizer: WhisperTokenizer, filters: np.ndarray, audio: np.ndarray,
                     language: np.ndarray | None, task: np.ndarray | None, max_new_tokens: np.ndarray | None,
-                    timestamps: np.ndarray | None = None, *, parameters: Mapping[str, Any],
-                    limits: Mapping[str, Any], **defaults) -> StreamJob:
+                    timestamps: np.ndarray | None = None, vad_filter: np.ndarray | None = None, *,
+                    parameters: Mapping[str, Any], limits: Mapping[str, Any], vad: SileroVad | None = None,
+                    vad_default: str = "off", **defaults) -> StreamJob:
     """One ``speech_recognition_stream`` request (one audio item: a stream answers one clip) → its
-    job; InputError naming the input otherwise."""
+    job; InputError naming the input otherwise. ``vad_filter`` as ``audio_features`` takes it
+    (``features.vad_modes``; ``vad_default`` without it)."""
     if audio.size != 1:
         raise InputError(f"input 'audio' holds {audio.size} items; a streamed transcript takes one clip per request")
-    features, spans = audio_to_windows(as_bytes(audio.reshape(-1)[0]), filters, **limits)
+    (mode,) = vad_modes(vad_filter, 1, vad_default)
+    features, spans = audio_to_windows(as_bytes(audio.reshape(-1)[0]), filters, **vad_arguments(mode, vad),
+                                       **limits)
     job = plan_request(tokenizer, features[None], None, language, task, max_new_tokens, timestamps, **defaults)
     partials = str(parameters.get("partials", True)).lower() != "false"
     return StreamJob(features, spans, job.prompts, int(job.max_new_tokens[0]), partials)
