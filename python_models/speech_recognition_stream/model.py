@@ -53,6 +53,9 @@ class TritonPythonModel:
             except InputError as error:
                 jobs.append(None)
                 sender.send(error_response(error), flags=FINAL)
+            except Exception as error:  # noqa: BLE001 - our bug fails this request in one line, not the batch
+                jobs.append(None)
+                sender.send(error_response(RuntimeError(f"speech planning failed: {error}")), flags=FINAL)
         send = lambda i, outputs, final: senders[i].send(output_response(outputs), flags=FINAL if final else 0)  # noqa: E731
         try:
             StreamDecode(self.whisper.tokenizer, jobs, self.whisper.group_size, self.whisper.group, send,

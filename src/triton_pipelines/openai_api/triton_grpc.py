@@ -16,10 +16,20 @@ from triton_pipelines.telemetry import tracing
 from triton_pipelines.telemetry.tracing import propagation_headers
 
 
+# The Python backend appends the stub's traceback to an exception that escapes execute:
+# "<message>\n\nAt:\n  <file>(<line>): <function>\n...". A client never sees it.
+TRACEBACK_MARK = "\n\nAt:\n"
+
+
+def one_line(message: str) -> str:
+    """Triton's error message without a stub's traceback, on one line."""
+    return " ".join(message.split(TRACEBACK_MARK, 1)[0].split())
+
+
 def triton_error(error: Exception, what: str) -> proto.OpenAIError:
-    """A tritonclient failure → the OpenAI error a client gets."""
+    """A tritonclient failure → the OpenAI error a client gets (one line, no traceback)."""
     status = str(getattr(error, "status", lambda: "")() or "")
-    message = str(getattr(error, "message", lambda: "")() or error)
+    message = one_line(str(getattr(error, "message", lambda: "")() or error))
     message = message.removeprefix("[StatusCode.INVALID_ARGUMENT] ")
     if "INVALID_ARGUMENT" in status or INPUT_ERROR_PREFIX in message:
         text = message.split(INPUT_ERROR_PREFIX, 1)[-1]

@@ -434,6 +434,13 @@ def test_triton_failures_map_to_openai_errors():
                    "healthy.", "StatusCode.INTERNAL")
     assert dead.status == 503 and "restarting" in dead.message
     assert failure("boom", "StatusCode.INTERNAL").status == 500
+    # a stub's traceback (the Python backend appends it to an exception that escapes execute) never
+    # reaches the client (stop 38: a 0-window stream request answered with one)
+    leaked = failure("Failed to process the request(s) for model 's_0_0', message: IndexError: index 0 is out of "
+                     "bounds\n\nAt:\n  /srv/streaming.py(162): plan_stream_job\n  /srv/model.py(67): plan\n",
+                     "StatusCode.INTERNAL")
+    assert leaked.status == 500 and "IndexError: index 0 is out of bounds" in leaked.message
+    assert "At:" not in leaked.message and ".py" not in leaked.message and "\n" not in leaked.message
 
 
 def test_metrics_label_known_models_only_and_render_prometheus_text():

@@ -230,3 +230,27 @@ def test_the_windows_mode_keeps_the_usual_windows_that_hold_speech(vad, filters)
     items = np.array([buffer.getvalue()] * 3, dtype=object)
     counts = [len(features) for features, _ in request_features(items, ["off", "windows", "pack"], filters, vad)]
     assert counts == [3, 2, 1]
+
+
+@pytest.mark.parametrize("vad_filter", [None, True])
+def test_a_stream_request_without_speech_is_one_empty_final_response(vad, filters, vad_filter):
+    """speech_recognition_stream's planning and decode on noise under VAD (its default, and
+    vad_filter true): no window, nothing decoded, one final response with an empty transcript (stop
+    38: planning raised IndexError on the 0 windows, and its traceback reached the /v1 client)."""
+    from triton_pipelines.pipelines.speech.streaming import StreamDecode, plan_stream_job
+
+    tokenizer = WhisperTokenizer(whisper_assets_dir() / "multilingual.tiktoken")
+    buffer = io.BytesIO()
+    noise = (0.05 * np.random.default_rng(2).standard_normal(3 * SAMPLE_RATE)).astype(np.float32)
+    soundfile.write(buffer, noise, SAMPLE_RATE, format="WAV")
+    raw = None if vad_filter is None else np.array([[vad_filter]])
+    job = plan_stream_job(tokenizer, filters, np.array([buffer.getvalue()], dtype=object), None, None, None, None, raw,
+                          parameters={}, limits={}, vad=vad, vad_default=DEFAULT_VAD_MODE)
+    assert job.features.shape[0] == 0 and job.spans == []
+    sent = []
+
+    def no_decode(*args):
+        raise AssertionError("nothing to decode")
+
+    StreamDecode(tokenizer, [job], 4, no_decode, lambda i, outputs, final: sent.append((i, outputs, final))).run()
+    assert len(sent) == 1 and sent[0][2] and sent[0][1]["transcript"][0, 0] == b""

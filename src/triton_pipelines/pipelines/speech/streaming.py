@@ -159,4 +159,6 @@ def plan_stream_job(tokenizer: WhisperTokenizer, filters: np.ndarray, audio: np.
                                        **limits)
     job = plan_request(tokenizer, features[None], None, language, task, max_new_tokens, timestamps, **defaults)
     partials = str(parameters.get("partials", True)).lower() != "false"
-    return StreamJob(features, spans, job.prompts, int(job.max_new_tokens[0]), partials)
+    # no window (no speech under VAD): nothing to decode, an empty final transcript
+    bound = int(job.max_new_tokens[0]) if len(job.max_new_tokens) else 0
+    return StreamJob(features, spans, job.prompts, bound, partials)
