@@ -12,15 +12,17 @@ Two jobs, each with its WER:
    ``ROUNDS`` times, so that the load of the shared machine drifts across them alike; the report
    gives the ratios round by round.
 2. **One long file** (``LongFile``): the English sentences three times over, pauses of 0.6 s and
-   2.5 s in turn (about 3 minutes). Ours: one request (VAD packs the speech into full windows,
-   decoded together), and the same with ``vad_filter`` false (windows cut in pauses);
+   2.5 s in turn (about 3 minutes). Ours: one request with ``vad_filter`` true (VAD packs the speech
+   into full windows, decoded together), the same with the default VAD mode (``windows``: the
+   windows cut in pauses that hold speech) and with ``vad_filter`` false (no VAD);
    faster-whisper's ``BatchedInferencePipeline`` (batch 8, its VAD packing the same way), int8 and
    float32.
 
 Plus our graphs in process (the same greedy loop, batches of 8 clips): float32, and the encoder
 quantized as the builder's ``--whisper-int8`` quantizes it (``repo_builder.export.whisper``).
 Every system decodes greedily without timestamps, without conditioning on earlier text; ours and
-the batched pipeline with VAD (our default), faster-whisper's ``transcribe`` without (its default).
+ours with its default VAD mode and the batched pipeline with its VAD, faster-whisper's ``transcribe``
+without (its default).
 """
 
 from __future__ import annotations
@@ -35,8 +37,8 @@ import numpy as np
 
 from triton_pipelines.client import TritonClient, text_tensor
 from triton_pipelines.pipelines.speech.audio import decode_audio
-from triton_pipelines.pipelines.speech.config import SAMPLE_RATE
-from triton_pipelines.pipelines.speech.features import audio_to_features, load_mel_filters
+from triton_pipelines.pipelines.speech.config import DEFAULT_VAD_MODE, SAMPLE_RATE
+from triton_pipelines.pipelines.speech.features import audio_to_features, load_mel_filters, vad_arguments
 from triton_pipelines.pipelines.speech.jobs import group_windows, join_transcript
 from triton_pipelines.pipelines.speech.reference import WhisperOnnx
 from triton_pipelines.pipelines.speech.tokenizer import WhisperTokenizer
@@ -176,7 +178,7 @@ def ours_in_process(repository: Path, clips: Clips, encoder: Path | None = None)
     vad = SileroVad(repository / "audio_features" / "1" / VAD_MODEL_FILE)
 
     def run(indices: list[int]) -> list[str]:
-        features = [audio_to_features(clips.wavs[i], filters, vad=vad) for i in indices]
+        features = [audio_to_features(clips.wavs[i], filters, **vad_arguments(DEFAULT_VAD_MODE, vad)) for i in indices]
         prompts = np.array([tokenizer.prompt(clips.languages[i]) for i, f in zip(indices, features) for _ in f])
         tokens = whisper.decode_windows(np.concatenate(features), prompts, tokenizer, 224)
         return [join_transcript(tokenizer, item) for item in group_windows(tokens, [len(f) for f in features])]
@@ -216,7 +218,7 @@ def encoders(repository: Path) -> tuple[Path, Path]:
     return (other, served) if served_int8(repository) else (served, other)
 
 
-def long_file_ours(ours: Ours, long: LongFile, vad_filter: bool) -> dict:
+def long_file_ours(ours: Ours, long: LongFile, vad_filter: bool | None) -> dict:
     ours.infer(long.wav, "en", vad_filter)  # warm-up (and the same windows twice)
     started = time.perf_counter()
     text = ours.infer(long.wav, "en", vad_filter)
@@ -240,6 +242,7 @@ def long_file_batched(model_dir: Path, long: LongFile, compute_type: str) -> dic
 
 
 MAIN = ("ours: Triton speech_recognition", "faster-whisper float32", "faster-whisper int8")
+PACKED = "ours, vad_filter true (speech packed)"
 
 
 def measure_all(server, repository: Path, model_dir: Path, clips: Clips, long: LongFile) -> dict:
@@ -250,7 +253,8 @@ def measure_all(server, repository: Path, model_dir: Path, clips: Clips, long: L
     for _ in range(ROUNDS):
         for name, system in systems.items():
             rounds[name].append({"c1": system.run(1), "sat": system.run(SATURATION)})
-    long_results = {"ours, VAD (default)": long_file_ours(systems[MAIN[0]], long, True),
+    long_results = {PACKED: long_file_ours(systems[MAIN[0]], long, True),
+                    f"ours, default (VAD mode {DEFAULT_VAD_MODE})": long_file_ours(systems[MAIN[0]], long, None),
                     "ours, vad_filter false": long_file_ours(systems[MAIN[0]], long, False)}
     for system in systems.values():
         system.close()
@@ -285,7 +289,7 @@ def report(measured: dict, clips: Clips, long: LongFile, repository: Path, loads
                                for x, y in zip(rounds[a], rounds[b])]
     per_round = lambda values: " / ".join(f"{v:.0%}" for v in values)  # noqa: E731
     wer = {name: results[name]["c1"]["wer"] for name in MAIN}
-    ours_long, batched = long_results["ours, VAD (default)"], long_results[f"faster-whisper int8 batched (batch {BATCHED_SIZE})"]
+    ours_long, batched = long_results[PACKED], long_results[f"faster-whisper int8 batched (batch {BATCHED_SIZE})"]
     built_int8 = served_int8(repository)
     fp32, int8 = measured["in_process"].values()
     return "\n".join([
@@ -296,7 +300,7 @@ def report(measured: dict, clips: Clips, long: LongFile, repository: Path, loads
         f"({clips.total_seconds:.0f} s in all), each with its language; the same Whisper base weights "
         "(faster-whisper 1.2.1 reads the packages' model.bin, we serve the ONNX converted from it"
         f"{', encoder int8 (--whisper-int8)' if built_int8 else ''}); greedy, no timestamps, no conditioning "
-        "on earlier text, 2 CPU threads per system; ours with its default VAD, faster-whisper's transcribe "
+        "on earlier text, 2 CPU threads per system; ours with its default VAD mode, faster-whisper's transcribe "
         "without (its default). \"audio s/s\": audio seconds transcribed per wall second; RTF: median "
         f"latency / clip duration. Saturation: {SATURATION} requests in flight for ours, 2 workers × 1 thread "
         "with 2 clips in flight for faster-whisper, batches of 8 clips in process. The first three rows are "
