@@ -66,6 +66,39 @@ def config_dict(config_path: Path) -> dict:
     return json_format.MessageToDict(config, preserving_proto_field_name=True)
 
 
+def service_states(rows: list[dict]) -> str:
+    return ", ".join(f"{row.get('Service')}: {row.get('State')} {row.get('Status', '')}".strip() for row in rows)
+
+
+def trace_from_inside(receiver, http_port: int, logfile: Path) -> str:
+    """One text_embedding request with a sampled traceparent: its spans from every process inside
+    the container (the screen, tritonserver, the stubs) reach the host's receiver as one tree under
+    the client's span."""
+    from tools.otlp_receiver import EMBEDDING_TREE, describe, missing_spans, tree_problems
+
+    trace_id, span_id = os.urandom(16).hex(), os.urandom(8).hex()
+    body = json.dumps({"inputs": [{"name": "text", "shape": [1, 1], "datatype": "BYTES",
+                                   "data": [f"traced from inside the container {trace_id}"]}]}).encode()
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{http_port}/v2/models/text_embedding/infer", data=body,
+        headers={"Content-Type": "application/json", "traceparent": f"00-{trace_id}-{span_id}-01"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        answered = response.headers.get("x-trace-id")
+    if answered != trace_id:
+        raise RuntimeError(f"x-trace-id {answered!r}, not the client's {trace_id}")
+    spans = receiver.wait_for_trace(trace_id, lambda got: not missing_spans(got, EMBEDDING_TREE),
+                                    timeout_s=TRACE_TIMEOUT_S)
+    missing, problems = missing_spans(spans, EMBEDDING_TREE), tree_problems(spans, span_id)
+    services = {s.service for s in spans}
+    if missing or problems or services != {TRACE_SERVICE}:
+        raise RuntimeError(f"spans missing {missing}, {problems}, services {sorted(services)} after "
+                           f"{TRACE_TIMEOUT_S} s ({receiver.requests} exports received):\n{describe(spans)}")
+    with open(logfile, "a") as log:
+        log.write(describe(spans) + "\n")
+    return (f"{len(spans)} spans from {sorted({s.process for s in spans})} in one tree under the client's "
+            f"span, exported from inside the container to {CONTAINER_HOST}")
+
+
 class Steps:
     def __init__(self, rehearsal):
         self.r = rehearsal
@@ -128,7 +161,7 @@ class Steps:
             if triton is None or triton.get("State") in ("exited", "dead") or builder_failed or \
                     time.monotonic() > deadline:
                 raise RuntimeError(f"triton-cpu not healthy (state {(triton or {}).get('State')!r}, health "
-                                   f"{health!r}); {self.service_states(rows)}; last lines:\n"
+                                   f"{health!r}); {service_states(rows)}; last lines:\n"
                                    f"{self.tail_logs()}\n(log: compose logs, {self.r.logfile})")
             time.sleep(5)
         user = run(["podman", "exec", triton["Name"], "id", "-u"], capture=True).stdout.decode().strip()
@@ -144,9 +177,6 @@ class Steps:
                         if "[repo_builder] embedded repository at" in line), "builder summary not found")
         return (f"builder service done ({summary}) and triton-cpu up in {built:.0f} s, healthy after "
                 f"{time.monotonic() - started:.0f} s, as uid {user}")
-
-    def service_states(self, rows: list[dict]) -> str:
-        return ", ".join(f"{row.get('Service')}: {row.get('State')} {row.get('Status', '')}".strip() for row in rows)
 
     def tail_logs(self, lines: int = 25) -> str:
         """The builder's and the server's last lines, into the failure line (CI keeps no log file)."""
@@ -223,32 +253,7 @@ class Steps:
         return "; ".join(answered) + f"; control API 403; /metrics {len(families)} nv_* families"
 
     def cpu_trace(self) -> str:
-        """One text_embedding request with a sampled traceparent: its spans from every process inside
-        the container (the screen, tritonserver, the stubs) reach the host's receiver as one tree under
-        the client's span."""
-        from tools.otlp_receiver import EMBEDDING_TREE, describe, missing_spans, tree_problems
-
-        trace_id, span_id = os.urandom(16).hex(), os.urandom(8).hex()
-        body = json.dumps({"inputs": [{"name": "text", "shape": [1, 1], "datatype": "BYTES",
-                                       "data": [f"traced from inside the container {trace_id}"]}]}).encode()
-        request = urllib.request.Request(
-            f"http://127.0.0.1:{self.ports['TRITON_HTTP_PORT']}/v2/models/text_embedding/infer", data=body,
-            headers={"Content-Type": "application/json", "traceparent": f"00-{trace_id}-{span_id}-01"})
-        with urllib.request.urlopen(request, timeout=60) as response:
-            answered = response.headers.get("x-trace-id")
-        if answered != trace_id:
-            raise RuntimeError(f"x-trace-id {answered!r}, not the client's {trace_id}")
-        spans = self.receiver.wait_for_trace(trace_id, lambda got: not missing_spans(got, EMBEDDING_TREE),
-                                             timeout_s=TRACE_TIMEOUT_S)
-        missing, problems = missing_spans(spans, EMBEDDING_TREE), tree_problems(spans, span_id)
-        services = {s.service for s in spans}
-        if missing or problems or services != {TRACE_SERVICE}:
-            raise RuntimeError(f"spans missing {missing}, {problems}, services {sorted(services)} after "
-                               f"{TRACE_TIMEOUT_S} s ({self.receiver.requests} exports received):\n{describe(spans)}")
-        with open(self.r.logfile, "a") as log:
-            log.write(describe(spans) + "\n")
-        return (f"{len(spans)} spans from {sorted({s.process for s in spans})} in one tree under the client's "
-                f"span, exported from inside the container to {CONTAINER_HOST}")
+        return trace_from_inside(self.receiver, self.ports["TRITON_HTTP_PORT"], self.r.logfile)
 
     def cpu_prometheus(self) -> str:
         port = self.ports["PROMETHEUS_PORT"]

@@ -9,7 +9,8 @@ traffic (``warm_server``), the launcher before it says the server is ready (``wa
 
 A sample is chosen by input name (the names our pipelines use): ``text`` a short sentence, ``image``
 a small PNG, ``audio`` one second of silence as WAV. Optional inputs are left out, except
-``max_new_tokens`` = 1: one decoding step warms the decode loop as well as 224 would.
+``max_new_tokens`` = 1 (one decoding step warms the decode loop as well as 224 would) and
+``vad_filter`` false (so that the silence is decoded: VAD would leave Whisper idle).
 """
 
 from __future__ import annotations
@@ -45,9 +46,10 @@ def wav_sample(seconds: float = 1.0, rate: int = 16000) -> bytes:
 
 
 SAMPLES: dict[str, Callable[[], bytes]] = {"text": SAMPLE_TEXT.encode, "image": png_sample, "audio": wav_sample}
-# Optional inputs sent anyway, to keep the warm-up request short.
-OPTIONAL_SAMPLES: dict[str, int] = {"max_new_tokens": 1}
-NUMERIC_TYPES = {"TYPE_INT32": np.int32, "TYPE_INT64": np.int64}
+# Optional inputs sent anyway: max_new_tokens to keep the warm-up request short; vad_filter false,
+# since VAD (on by default) finds no speech in the silent sample and Whisper would not run at all.
+OPTIONAL_SAMPLES: dict[str, int | bool] = {"max_new_tokens": 1, "vad_filter": False}
+NUMERIC_TYPES = {"TYPE_INT32": np.int32, "TYPE_INT64": np.int64, "TYPE_BOOL": np.bool_}
 
 
 def sample_inputs(config: Mapping) -> dict[str, np.ndarray]:
