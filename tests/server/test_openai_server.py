@@ -412,6 +412,9 @@ def test_noise_gives_no_words_by_default_and_vad_filter_is_a_form_field(client):
                                                 **({"extra_body": {"vad_filter": value}} if value else {})).text
              for value in (None, "false", "true")]
     assert texts[0] == "" and texts[1].strip() != "" and texts[2] == "", texts
+    verbose = client.audio.transcriptions.create(model="speech_recognition", file=("noise.wav", buffer.getvalue()),
+                                                 response_format="verbose_json")
+    assert verbose.text == "" and verbose.segments == [] and abs(verbose.duration - 4.0) < 0.01  # the clip's
     with pytest.raises(openai.BadRequestError, match="vad_filter"):
         client.audio.transcriptions.create(model="speech_recognition", file=("noise.wav", buffer.getvalue()),
                                            extra_body={"vad_filter": "maybe"})

@@ -246,7 +246,7 @@ def test_a_stream_request_without_speech_is_one_empty_final_response(vad, filter
     raw = None if vad_filter is None else np.array([[vad_filter]])
     job = plan_stream_job(tokenizer, filters, np.array([buffer.getvalue()], dtype=object), None, None, None, None, raw,
                           parameters={}, limits={}, vad=vad, vad_default=DEFAULT_VAD_MODE)
-    assert job.features.shape[0] == 0 and job.spans == []
+    assert job.features.shape[0] == 0 and job.spans == [] and job.duration == 3.0  # the clip's, not its windows'
     sent = []
 
     def no_decode(*args):
@@ -254,3 +254,4 @@ def test_a_stream_request_without_speech_is_one_empty_final_response(vad, filter
 
     StreamDecode(tokenizer, [job], 4, no_decode, lambda i, outputs, final: sent.append((i, outputs, final))).run()
     assert len(sent) == 1 and sent[0][2] and sent[0][1]["transcript"][0, 0] == b""
+    assert float(sent[0][1]["duration"][0, 0]) == 3.0  # verbose_json's duration

@@ -50,12 +50,17 @@ def windows_features(audio: np.ndarray, windows: list[TimeMap], filters: np.ndar
     return np.stack([log_mel_spectrogram(window_audio(audio, w.spans), filters) for w in windows])
 
 
+def audio_windows(audio: np.ndarray, filters: np.ndarray, vad: SileroVad | None = None,
+                  pack: bool = True) -> tuple[np.ndarray, list[TimeMap]]:
+    """16 kHz audio → its windows' features and their time maps (``windows.plan_windows``)."""
+    windows = plan_windows(audio, vad, pack=pack)
+    return windows_features(audio, windows, filters), windows
+
+
 def audio_to_windows(data: bytes, filters: np.ndarray, index: int = 0, vad: SileroVad | None = None,
                      pack: bool = True, **limits) -> tuple[np.ndarray, list[TimeMap]]:
     """Encoded audio → its windows' features and their time maps (``windows.plan_windows``)."""
-    audio = decode_audio(data, index=index, **limits)
-    windows = plan_windows(audio, vad, pack=pack)
-    return windows_features(audio, windows, filters), windows
+    return audio_windows(decode_audio(data, index=index, **limits), filters, vad, pack)
 
 
 def audio_to_features(data: bytes, filters: np.ndarray, index: int = 0, vad: SileroVad | None = None,

@@ -11,8 +11,10 @@ import numpy as np
 
 from triton_pipelines.errors import InputError, as_bytes
 from triton_pipelines.pipelines.speech.decoding import GreedyBatch, fill_languages
-from triton_pipelines.pipelines.speech.features import audio_to_windows, vad_arguments, vad_modes
-from triton_pipelines.pipelines.speech.vad import SileroVad, TimeMap, as_time_map
+from triton_pipelines.pipelines.speech.audio import decode_audio
+from triton_pipelines.pipelines.speech.features import audio_windows, vad_arguments, vad_modes
+from triton_pipelines.pipelines.speech.config import SAMPLE_RATE
+from triton_pipelines.pipelines.speech.vad import SileroVad, TimeMap
 from triton_pipelines.pipelines.speech.jobs import CancelWatch, item_languages, plan_request, segments_json
 from triton_pipelines.pipelines.speech.tokenizer import WhisperTokenizer
 
@@ -51,12 +53,13 @@ class StreamJob:
     prompts: np.ndarray  # [windows, 4] int64
     max_new_tokens: int
     partials: bool = True
+    duration: float = 0.0  # the clip's length in seconds (its windows may leave out its silence)
 
 
 def stream_outputs(transcript: str, delta: str, final: bool, segments: str = "[]",
                    language: str = "", duration: float = 0.0) -> dict[str, np.ndarray]:
     """One response of ``speech_recognition_stream`` (a batch of one item); ``duration``: the
-    clip's length in seconds (the end of its last window; final responses only)."""
+    clip's length in seconds (final responses only)."""
     return {"transcript": np.array([[transcript.encode()]], dtype=np.object_),
             "delta": np.array([[delta.encode()]], dtype=np.object_),
             "is_final": np.array([[final]], dtype=bool),
@@ -121,7 +124,7 @@ class StreamDecode:
             transcript = " ".join(t for t in texts if t)
             language = item_languages(self.tokenizer, prompts[a:b], [b - a])[0]
             segments = segments_json(self.tokenizer, self.tokens[a:b], self.jobs[index].spans, language)
-            duration = as_time_map(self.jobs[index].spans[-1]).end if self.jobs[index].spans else 0.0
+            duration = self.jobs[index].duration
             self.send(index, stream_outputs(transcript, text_delta(self.sent[index], transcript), True, segments,
                                             language, duration), True)
 
@@ -155,10 +158,10 @@ def plan_stream_job(tokenizer: WhisperTokenizer, filters: np.ndarray, audio: np.
     if audio.size != 1:
         raise InputError(f"input 'audio' holds {audio.size} items; a streamed transcript takes one clip per request")
     (mode,) = vad_modes(vad_filter, 1, vad_default)
-    features, spans = audio_to_windows(as_bytes(audio.reshape(-1)[0]), filters, **vad_arguments(mode, vad),
-                                       **limits)
+    samples = decode_audio(as_bytes(audio.reshape(-1)[0]), **limits)
+    features, spans = audio_windows(samples, filters, **vad_arguments(mode, vad))
     job = plan_request(tokenizer, features[None], None, language, task, max_new_tokens, timestamps, **defaults)
     partials = str(parameters.get("partials", True)).lower() != "false"
     # no window (no speech under VAD): nothing to decode, an empty final transcript
     bound = int(job.max_new_tokens[0]) if len(job.max_new_tokens) else 0
-    return StreamJob(features, spans, job.prompts, bound, partials)
+    return StreamJob(features, spans, job.prompts, bound, partials, len(samples) / SAMPLE_RATE)
