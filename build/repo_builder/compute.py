@@ -106,6 +106,10 @@ class ComputeModel:
     # back to the kernel (config parameter ``heap_keep_freed_bytes``, ``stub.heap``); 0: glibc's
     # defaults. For models that allocate large arrays on every request.
     embedded_heap_keep_freed_bytes: int = 0
+    # embedded target only: at most this many rows in one ONNX Runtime call (config parameter
+    # ``rows_per_run``, ``OnnxBatchRunner``; 0: the whole batch). 1 for a graph whose outputs would
+    # otherwise depend on the batch (dynamic int8 quantization): batches still form, run row by row.
+    embedded_rows_per_run: int = 0
     # The largest size of the variable (-1) dimensions this model is sent at the configured limits
     # (a text encoder: the tokenizer's truncation length). The memory planner sizes activations
     # with it; 0: not declared (the planner then needs --sequence-length MODEL=N).
@@ -177,6 +181,8 @@ class ComputeModel:
                 config.parameters["max_batch_tokens"].string_value = str(grouping.max_batch_tokens)
             if self.embedded_heap_keep_freed_bytes:
                 config.parameters[HEAP_KEEP_PARAMETER].string_value = str(self.embedded_heap_keep_freed_bytes)
+            if self.embedded_rows_per_run:
+                config.parameters["rows_per_run"].string_value = str(self.embedded_rows_per_run)
         else:
             self._gpu_backend_config(config)
             config.instance_group.add(kind=mc.ModelInstanceGroup.KIND_GPU, count=self.gpu_instances)

@@ -231,6 +231,9 @@ def encoder_model(source: WhisperSource, target: str, int8: bool = False) -> Com
         source_key=source.key() + (f" int8 {sorted(ENCODER_INT8.items())}" if int8 else ""),
         latency_variants=(),
         embedded_heap_keep_freed_bytes=HEAP_KEEP_FREED_BYTES,
+        # int8: activations are quantized with one scale per call, so each window runs alone and its
+        # result is a function of the window (batching the encoder gains nothing on a CPU: docs/speech.md).
+        embedded_rows_per_run=1 if int8 else 0,
         provenance=role_provenance(source, "whisper_encoder", ENCODER_INT8_NOTE if int8 else ""),
     )
 
@@ -288,8 +291,9 @@ class SpeechPipeline(Pipeline):
         parser.add_argument("--whisper-int8", action="store_true",
                             help="quantize whisper_encoder's MatMul weights to int8 per channel (ONNX Runtime "
                                  "dynamic quantization; its provenance says so): faster on a CPU, WER measured "
-                                 "within 1 point of float32 (docs/speech.md); a window's transcript may then "
-                                 "depend on its batch neighbours (activations are scaled per call)")
+                                 "within 1 point of float32 (docs/speech.md); the embedded target runs it one window "
+                                 "at a time (activations are scaled per call), so a window's transcript does not "
+                                 "depend on its batch neighbours")
         parser.add_argument("--whisper-checkpoint", dest="whisper_model", metavar="DIR",
                             help=f"alias of {FLAG} DIR (a local {HF_ARCHITECTURE} checkpoint)")
         parser.add_argument("--whisper-size", dest="whisper_model", type=random_spec, metavar="SIZE",

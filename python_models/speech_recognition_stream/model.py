@@ -8,13 +8,16 @@ It does ``audio_features``' step in process (it needs each window's span in the 
 ``whisper_decode``'s loop over BLS calls to ``whisper_encoder`` / ``whisper_decoder``
 (``triton_pipelines.stub.whisper``): every request of a dynamic batch is decoded together, one
 decoder step for all running windows (``triton_pipelines.pipelines.speech.streaming.StreamDecode``). A request whose
-client has gone (cancelled) stops decoding within 0.1 s. Request parameter ``partials: false``:
+client has gone (cancelled, or its stream marked on the screen's cancel board) stops decoding
+within 0.1 s. Request parameter ``partials: false``:
 only the final response."""
 
 import triton_python_backend_utils as pb_utils
 
+from triton_pipelines.cancel_board import CancelBoard
 from triton_pipelines.errors import InputError
 from triton_pipelines.pipelines.speech.features import load_mel_filters
+from triton_pipelines.pipelines.speech.jobs import client_gone
 from triton_pipelines.pipelines.speech.streaming import StreamDecode, plan_stream_job
 from triton_pipelines.pipelines.speech.vad import VAD_MODEL_FILE, SileroVad
 from triton_pipelines.stub.model_args import version_dir
@@ -35,6 +38,7 @@ class TritonPythonModel:
         # Silero VAD as audio_features applies it: the input vad_filter, else the parameter vad_mode
         self.vad = SileroVad(version_dir(args) / VAD_MODEL_FILE)
         self.vad_default = p["vad_mode"]
+        self.board = CancelBoard.from_environment()  # requests whose client hung up (the screen marks them)
 
     def execute(self, requests):
         traced = begin(requests)  # None unless tracing (stub/tracing.py): its BLS calls join the trace
@@ -56,10 +60,11 @@ class TritonPythonModel:
             except Exception as error:  # noqa: BLE001 - our bug fails this request in one line, not the batch
                 jobs.append(None)
                 sender.send(error_response(RuntimeError(f"speech planning failed: {error}")), flags=FINAL)
+        gone = [client_gone(request_parameters(r), s.is_cancelled, board=self.board) for r, s in zip(requests, senders)]
         send = lambda i, outputs, final: senders[i].send(output_response(outputs), flags=FINAL if final else 0)  # noqa: E731
         try:
             StreamDecode(self.whisper.tokenizer, jobs, self.whisper.group_size, self.whisper.group, send,
-                         cancelled=lambda i: senders[i].is_cancelled()).run()
+                         cancelled=lambda i: gone[i]()).run()
         except Exception as error:  # a failed batch fails its requests, not the stub
             for job, sender in zip(jobs, senders):
                 if job is not None:

@@ -39,6 +39,10 @@ MAX_AUDIO_SECONDS = 300.0
 # a running ``whisper_decode`` learns that its client has gone only from this (an ensemble passes
 # its parameters on to every step). Reserved: a client cannot send it.
 CLIENT_DEADLINE_PARAMETER = "x-client-deadline-ns"
+# The header (forwarded by tritonserver as a request parameter, HTTP and gRPC) in which the screen
+# gives every inference request its id on the cancel board (``cancel_board.py``): marked there
+# when the client leaves before its answer. Reserved: a client cannot send it.
+CLIENT_CANCEL_PARAMETER = "x-client-cancel-id"
 # A self-hosted route's deadline when data/routes.yaml names none (`limits.triton_deadline_s`).
 SELF_HOSTED_DEADLINE_S = 60.0
 

@@ -11,6 +11,8 @@ a running one: the screen forwards the deadline (``limits.CLIENT_DEADLINE_PARAME
 from __future__ import annotations
 
 import io
+import json
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -47,16 +49,40 @@ def long_clip(seconds: float) -> bytes:
     return buffer.getvalue()
 
 
-def test_a_call_past_its_deadline_stops_decoding_and_its_neighbour_is_answered(server):
+def decoder_steps(internal: TritonClient) -> int:
+    return int(internal.statistics("whisper_decoder")["model_stats"][0]["execution_count"])
+
+
+@pytest.fixture(scope="module")
+def whole(server) -> tuple[int, float]:
+    """The long clip decoded to its end, once: (decoder steps, seconds)."""
+    internal = TritonClient("http", server.internal_url("http"))
+    public = TritonClient("grpc", server.url("grpc"))
+    try:
+        assert public.infer("speech_recognition", {"audio": np.array([[HELLO.read_bytes()]], dtype=object)}
+                            )["transcript"][0, 0].decode() == HELLO_TEXT  # warm
+        before, started = decoder_steps(internal), time.monotonic()
+        text = public.infer("speech_recognition", {"audio": np.array([[long_clip(120.0)]], dtype=object)}
+                            )["transcript"][0, 0].decode()
+        steps, seconds = decoder_steps(internal) - before, time.monotonic() - started
+        assert len(text.split()) > 100 and steps > 60, (steps, text)
+        return steps, seconds
+    finally:
+        internal.close()
+        public.close()
+
+
+def test_a_call_past_its_deadline_stops_decoding_and_its_neighbour_is_answered(server, whole):
     import tritonclient.grpc as grpcclient
 
     internal = TritonClient("http", server.internal_url("http"))
     public = TritonClient("grpc", server.url("grpc"))
     hasty = grpcclient.InferenceServerClient(server.url("grpc"))
     clip = np.array([[long_clip(120.0)]], dtype=object)
+    whole_steps, whole_s = whole
 
     def steps() -> int:
-        return int(internal.statistics("whisper_decoder")["model_stats"][0]["execution_count"])
+        return decoder_steps(internal)
 
     def neighbour() -> tuple[str, float]:
         started = time.monotonic()
@@ -64,12 +90,6 @@ def test_a_call_past_its_deadline_stops_decoding_and_its_neighbour_is_answered(s
         return answer["transcript"][0, 0].decode(), time.monotonic() - started
 
     try:
-        assert neighbour()[0] == HELLO_TEXT  # warm
-        before, started = steps(), time.monotonic()
-        whole = public.infer("speech_recognition", {"audio": clip})["transcript"][0, 0].decode()
-        whole_s, whole_steps = time.monotonic() - started, steps() - before
-        assert len(whole.split()) > 100 and whole_steps > 60, (whole_steps, whole)
-
         tensor = grpcclient.InferInput("audio", [1, 1], "BYTES")
         tensor.set_data_from_numpy(clip)
         before, started = steps(), time.monotonic()
@@ -93,3 +113,65 @@ def test_a_call_past_its_deadline_stops_decoding_and_its_neighbour_is_answered(s
         internal.close()
         public.close()
         hasty.close()
+
+
+def http_request(audio: bytes) -> bytes:
+    """A native HTTP request for ``speech_recognition`` with ``audio`` as a binary BYTES tensor."""
+    header = json.dumps({"inputs": [{"name": "audio", "shape": [1, 1], "datatype": "BYTES",
+                                     "parameters": {"binary_data_size": len(audio) + 4}}]}).encode()
+    body = header + len(audio).to_bytes(4, "little") + audio
+    return (b"POST /v2/models/speech_recognition/infer HTTP/1.1\r\nHost: triton\r\n"
+            b"Content-Type: application/octet-stream\r\nInference-Header-Content-Length: %d\r\n"
+            b"Content-Length: %d\r\n\r\n" % (len(header), len(body)) + body)
+
+
+def hang_up_http(server, audio: bytes) -> None:
+    """An HTTP client that sends the whole request and leaves 2.5 s later, unanswered."""
+    host, port = server.url("http").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as connection:
+        connection.sendall(http_request(audio))
+        time.sleep(DEADLINE_S)
+
+
+def cancel_grpc(server, audio: bytes) -> None:
+    """A gRPC client without a deadline that cancels its call 2.5 s after sending it."""
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(server.url("grpc"))
+    tensor = grpcclient.InferInput("audio", [1, 1], "BYTES")
+    tensor.set_data_from_numpy(np.array([[audio]], dtype=object))
+    answered = []
+    try:
+        call = client.async_infer("speech_recognition", [tensor], callback=lambda *result: answered.append(result))
+        time.sleep(DEADLINE_S)
+        call.cancel()
+        time.sleep(0.5)
+        assert not answered or answered[0][1] is not None  # cancelled, never a transcript
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("leave", [hang_up_http, cancel_grpc], ids=["http_hang_up", "grpc_cancel"])
+def test_a_client_that_leaves_stops_its_decode(server, whole, leave):
+    """Issue 33 §3, the class beyond deadlines: an HTTP client that hangs up (Triton's HTTP API has
+    no cancellation) and a gRPC call cancelled without a deadline. The screen marks the request on
+    the cancel board and whisper_decode stops between steps; before the board, both decoded the
+    whole clip for nobody (measured: docs/security.md)."""
+    internal = TritonClient("http", server.internal_url("http"))
+    public = TritonClient("http", server.url("http"))
+    whole_steps, _ = whole
+    try:
+        before = decoder_steps(internal)
+        leave(server, long_clip(120.0))
+        time.sleep(1.5)
+        after_leaving = decoder_steps(internal) - before
+        time.sleep(2.0)
+        print(f"\n{leave.__name__}: {after_leaving} decoder steps, against {whole_steps} for the whole clip")
+        assert decoder_steps(internal) - before == after_leaving  # nothing is still decoding
+        assert after_leaving < whole_steps / 2, (after_leaving, whole_steps)
+        started = time.monotonic()
+        answer = public.infer("speech_recognition", {"audio": np.array([[HELLO.read_bytes()]], dtype=object)})
+        assert answer["transcript"][0, 0].decode() == HELLO_TEXT and time.monotonic() - started < 30
+    finally:
+        internal.close()
+        public.close()

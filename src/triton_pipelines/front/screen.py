@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from triton_pipelines.gateway.keys import KEY_ID_PARAMETER
-from triton_pipelines.limits import CLIENT_DEADLINE_PARAMETER
+from triton_pipelines.limits import CLIENT_CANCEL_PARAMETER, CLIENT_DEADLINE_PARAMETER
 
 # How deep the screen's JSON parser (CPython's, in C) nests before it stops with RecursionError:
 # the interpreter's recursion limit, 1,000 by default; far deeper than any KServe v2 request needs
@@ -120,7 +120,8 @@ def check_input_parameter_names(input_name: str, names: Iterable[str]) -> None:
 
 def check_request_parameter_names(names: Iterable[str]) -> None:
     """A request's own parameters may not carry the API key id the screen forwards (the router
-    would take it for the caller's key), nor the deadline it forwards (the client's own deadline)."""
+    would take it for the caller's key), nor the deadline it forwards (the client's own deadline),
+    nor the request's id on the cancel board (the screen's own)."""
     for name in names:
         if str(name).lower() == KEY_ID_PARAMETER:
             raise ScreenError(f"the request parameter '{KEY_ID_PARAMETER}' is reserved: send the key as "
@@ -128,6 +129,9 @@ def check_request_parameter_names(names: Iterable[str]) -> None:
         if str(name).lower() == CLIENT_DEADLINE_PARAMETER:
             raise ScreenError(f"the request parameter '{CLIENT_DEADLINE_PARAMETER}' is reserved: a gRPC "
                               f"call's own deadline is forwarded as it")
+        if str(name).lower() == CLIENT_CANCEL_PARAMETER:
+            raise ScreenError(f"the request parameter '{CLIENT_CANCEL_PARAMETER}' is reserved: the screen "
+                              f"gives every request its own")
 
 
 # ---------------------------------------------------------------------------- parameter values

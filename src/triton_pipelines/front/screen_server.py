@@ -31,7 +31,8 @@ from collections import deque
 from pathlib import Path
 from urllib.parse import unquote
 
-from triton_pipelines.limits import (CLIENT_DEADLINE_PARAMETER, DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_INFLIGHT_BYTES,
+from triton_pipelines.cancel_board import CancelBoard, new_id
+from triton_pipelines.limits import (CLIENT_CANCEL_PARAMETER, CLIENT_DEADLINE_PARAMETER, DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_INFLIGHT_BYTES,
                                     REQUEST_TIMEOUT_S, STREAM_FIRST_MESSAGE_S, client_share, replica_part)
 from triton_pipelines.gateway.keys import KEY_ID_PARAMETER, KeyRing, bearer_secret, keys_from_environment
 from triton_pipelines.errors import REFUSAL_STATUSES, parse_refusal
@@ -52,6 +53,9 @@ _HOP_HEADERS = {b"connection", b"keep-alive", b"transfer-encoding", b"te", b"upg
 # The only request headers Triton's inference endpoint reads; no other client header reaches it.
 _FORWARDED_HEADERS = {b"host", b"content-type", b"inference-header-content-length", b"accept-encoding"}
 UPSTREAM_TIMEOUT_S = REQUEST_TIMEOUT_S
+# How often an HTTP request waiting for Triton's answer looks whether its client (nginx's
+# connection) has gone, to mark it on the cancel board.
+CLIENT_CHECK_S = 0.2
 # The model whose requests carry an API key (gateway tasks: budgets, limits, the spend ledger).
 KEYED_MODEL = "router"
 _TRANSPORT_FAILURE = re.compile(r"failed to connect|connection refused|socket closed|connection reset|"
@@ -117,8 +121,8 @@ class HttpScreen:
     process); a request whose body does not fit is answered 503 before its body is kept."""
 
     def __init__(self, policy: ScreenPolicy, upstream: Upstream, keys: KeyRing | None = None,
-                 request_bytes: Places | None = None):
-        self.policy, self.upstream, self.keys = policy, upstream, keys
+                 request_bytes: Places | None = None, board: CancelBoard | None = None):
+        self.policy, self.upstream, self.keys, self.board = policy, upstream, keys, board
         self.request_bytes = request_bytes or byte_budget(DEFAULT_MAX_INFLIGHT_BYTES, None, policy.max_body_bytes)
         self.bytes_overloaded = http_response(503, error_body(bytes_overloaded_message(self.request_bytes)),
                                               [(b"Retry-After", b"1")])
@@ -178,7 +182,23 @@ class HttpScreen:
         except ScreenError as error:
             return http_response(error.status, error_body(str(error)))
         traced = screen_trace("http", model, header(headers, b"traceparent"), header(headers, b"tracestate"))
-        return traced.http_answer(await self.forward(request_line, headers, body, extra + traced.http_headers()))
+        if self.board is None:
+            return traced.http_answer(await self.forward(request_line, headers, body, extra + traced.http_headers()))
+        request_id = new_id()
+        extra.append((CLIENT_CANCEL_PARAMETER.encode(), request_id.encode()))
+        answer = asyncio.ensure_future(self.forward(request_line, headers, body, extra + traced.http_headers()))
+        return traced.http_answer(await self.unless_gone(answer, reader, request_id))
+
+    async def unless_gone(self, answer: asyncio.Future, reader: asyncio.StreamReader, request_id: str) -> bytes:
+        """Triton's ``answer``; meanwhile, a client that closes its connection (nginx does when its
+        own client leaves) has its request marked on the cancel board: a long model stops for it."""
+        while True:
+            done, _ = await asyncio.wait({answer}, timeout=CLIENT_CHECK_S)
+            if done:
+                return answer.result()
+            if reader.at_eof() or reader.exception() is not None:
+                self.board.mark(request_id)
+                return await answer  # soon (the model stops), and then for nobody
 
     async def forward(self, request_line: bytes, headers, body: bytes, extra=()) -> bytes:
         head = [request_line] + [name + b": " + value for name, value in headers if name in _FORWARDED_HEADERS]
@@ -235,14 +255,15 @@ class GrpcScreen:
     # authorization: the key's secret never reaches Triton (its id does, for the router); the
     # deadline header is the screen's own (client_deadline)
     _DROP = {"user-agent", "grpc-accept-encoding", "grpc-encoding", "te", "content-type", "authorization",
-             KEY_ID_PARAMETER, CLIENT_DEADLINE_PARAMETER, CLIENT_ADDRESS_HEADER, *TRACE_HEADERS}
+             KEY_ID_PARAMETER, CLIENT_DEADLINE_PARAMETER, CLIENT_CANCEL_PARAMETER, CLIENT_ADDRESS_HEADER, *TRACE_HEADERS}
 
     def __init__(self, policy: ScreenPolicy, triton_grpc: str, keys: KeyRing | None = None,
                  places: Places | None = None, overloaded: str = "", first_message_s: float = STREAM_FIRST_MESSAGE_S,
-                 request_bytes: Places | None = None):
+                 request_bytes: Places | None = None, board: CancelBoard | None = None):
         import grpc
 
         self.grpc = grpc
+        self.board = board
         self.policy = policy
         self.keys = keys
         self.places = places or Places(DEFAULT_MAX_INFLIGHT)
@@ -292,8 +313,15 @@ class GrpcScreen:
             await context.abort(grpc.StatusCode.UNAVAILABLE, self.bytes_overloaded, (("retry-after", "1"),))
         traced = screen_trace("grpc", model, metadata_value(received, "traceparent"),
                               metadata_value(received, "tracestate"))
+        request_id = new_id() if self.board is not None else None
+        if request_id:
+            metadata += ((CLIENT_CANCEL_PARAMETER, request_id),)
         try:
             return await self.call(request, timeout=remaining, metadata=metadata + traced.grpc_metadata(context))
+        except asyncio.CancelledError:  # the caller cancelled: a running model step stops by the board
+            if request_id:
+                self.board.mark(request_id)
+            raise
         except grpc.aio.AioRpcError as error:
             traced.end(error.code().name)
             await self._abort_with(context, error)
@@ -344,6 +372,9 @@ class GrpcScreen:
                                 "an idle stream is closed (send the first request when it opens)")
         traced = screen_trace("grpc", "stream", metadata_value(received, "traceparent"),
                               metadata_value(received, "tracestate"))  # one span for the whole stream
+        stream_id = new_id() if self.board is not None else None  # every request of the stream's
+        if stream_id:
+            metadata += ((CLIENT_CANCEL_PARAMETER, stream_id),)
         call = self.stream_call(timeout=context.time_remaining(), metadata=metadata + traced.grpc_metadata(context))
         # Triton's responses and our refusals, in order; bounded, so a client that sends refused
         # messages without reading the answers is held back (it is no longer read) instead of queued.
@@ -398,6 +429,8 @@ class GrpcScreen:
             call.cancel()
             await asyncio.gather(pump, drain, return_exceptions=True)
             traced.end()
+            if held and stream_id:  # requests in Triton whose client has gone
+                self.board.mark(stream_id)
             while held:  # requests whose final response never came (cancelled, failed stream)
                 self.give_back(client, held.popleft())
 
@@ -467,10 +500,11 @@ async def run(args: argparse.Namespace) -> None:
     keys = keys_from_environment()  # $TRITON_API_KEYS_FILE: None serves the router open
     request_bytes = byte_budget(args.max_inflight_bytes, args.max_inflight_bytes_per_client, args.max_body_bytes,
                                 args.replicas, args.replica_index)
-    http = HttpScreen(policy, Upstream(args.triton_http), keys, request_bytes)
+    board = CancelBoard(args.cancel_board) if args.cancel_board else None
+    http = HttpScreen(policy, Upstream(args.triton_http), keys, request_bytes, board)
     http_server = await asyncio.start_server(http.serve, "127.0.0.1", args.http_port, limit=2**20, backlog=4096)
     grpc_screen = GrpcScreen(policy, args.triton_grpc, keys, places, grpc_overloaded_message(args.max_inflight, share),
-                             args.stream_first_message_s, request_bytes)
+                             args.stream_first_message_s, request_bytes, board)
     grpc_server = grpc.aio.server(options=[
         # nginx bounds a message (client_max_body_size) with its own clear message; a limit here
         # would answer first, from the message's length prefix, in gRPC's words.
@@ -498,6 +532,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--triton-grpc", required=True)
     parser.add_argument("--max-body-bytes", type=int, required=True)
     parser.add_argument("--public-models-file", type=Path)
+    parser.add_argument("--cancel-board", type=Path, help="the replica's cancel board folder (cancel_board.py)")
     # The server's gRPC limits (every replica's screen together) and this screen's part of them.
     parser.add_argument("--max-inflight", type=int, default=DEFAULT_MAX_INFLIGHT)
     parser.add_argument("--max-inflight-per-client", type=int, default=None, help="default: half of --max-inflight")

@@ -87,11 +87,18 @@ class OnnxBatchRunner:
     def __init__(self, model_path: Path | str, intra_op_threads: int = 0,
                  output_names: Sequence[str] | None = None, length_grouping: LengthGrouping | None = None,
                  execution_providers: Sequence[str] = ("cpu",), engine_cache_dir: Path | None = None,
-                 spin_wait: bool = True):
+                 spin_wait: bool = True, rows_per_run: int = 0):
         """The session's options: ``onnx_session``. ``length_grouping``: how requests of different
         sequence lengths run together (ragged batching), see ``LengthGrouping``; None: only
-        requests of equal shapes share a run, as on the native backend."""
+        requests of equal shapes share a run, as on the native backend. ``rows_per_run`` (0: no
+        limit): at most this many rows in one ONNX Runtime call. 1 makes a row's outputs a
+        function of that row alone in a graph whose result depends on its batch (dynamic
+        quantization scales activations over the whole input tensor: ``--whisper-int8``)."""
+        if rows_per_run < 0 or (rows_per_run and length_grouping is not None):
+            raise ValueError(f"rows_per_run must be 0 (no limit) or more, and 0 with length grouping, "
+                             f"not {rows_per_run}")
         self.session = onnx_session(model_path, intra_op_threads, execution_providers, engine_cache_dir, spin_wait)
+        self.rows_per_run = rows_per_run
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.output_names = list(output_names or [o.name for o in self.session.get_outputs()])
         self.length_grouping = length_grouping
@@ -119,12 +126,21 @@ class OnnxBatchRunner:
                 feeds = dict(requests[indices[0]])
             else:
                 feeds = {name: np.concatenate([requests[i][name] for i in indices]) for name in self.input_names}
-            outputs = self.session.run(names, {n: feeds[n] for n in self.input_names})
+            outputs = self._run_rows(names, {n: feeds[n] for n in self.input_names}, sum(sizes))
             offsets = np.cumsum([0] + sizes)
             for position, index in enumerate(indices):
                 start, stop = offsets[position], offsets[position + 1]
                 results[index] = {name: out[start:stop] for name, out in zip(names, outputs)}
         return results  # type: ignore[return-value]
+
+    def _run_rows(self, names: list[str], feeds: dict[str, np.ndarray], rows: int) -> list[np.ndarray]:
+        """One ONNX Runtime call, or one per ``rows_per_run`` rows (outputs joined in row order)."""
+        step = self.rows_per_run
+        if not step or rows <= step:
+            return self.session.run(names, feeds)
+        parts = [self.session.run(names, {n: value[start:start + step] for n, value in feeds.items()})
+                 for start in range(0, rows, step)]
+        return [np.concatenate([part[i] for part in parts]) for i in range(len(names))]
 
     def _run_length_grouped(self, requests: Sequence[Mapping[str, np.ndarray]], names: list[str]
                             ) -> list[dict[str, np.ndarray]]:
@@ -469,6 +485,7 @@ class EmbeddedComputeModel:
             execution_providers=parameters.get("execution_providers", "cpu").split(","),
             engine_cache_dir=engine_cache_dir(name),
             spin_wait=parameters.get("intra_op_spin_wait", "true") == "true",
+            rows_per_run=int(parameters.get("rows_per_run", "0")),
         )
         cached = [input_name for input_name in parameters.get("cached_inputs", "").split(",") if input_name]
         states = parse_state_pairs(parameters.get("state_inputs", ""))

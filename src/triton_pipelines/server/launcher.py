@@ -48,6 +48,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from triton_pipelines.cancel_board import CancelBoard
 from triton_pipelines.server.control import ControlClient, resolve_key
 from triton_pipelines.repository.contract import BuiltManifest
 from triton_pipelines.server.frontend_process import FrontendProcess
@@ -144,7 +145,8 @@ class Launcher:
             # is spawned (one line; the frontend checks it again for its restarts).
             keys_from_environment()
             processes = TritonProcesses(options, self.key, self.metrics, self.log, stdout, stderr,
-                                        public_models_file(options, self.state_dir))
+                                        public_models_file(options, self.state_dir),
+                                        CancelBoard(self.state_dir / "cancel").create())
             for index in range(options.replicas):
                 self.replicas.append(Replica(index, options, self.key, processes, self.metrics, self.log))
             self.openai = FrontendProcess(options.model_repository,

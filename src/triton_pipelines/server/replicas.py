@@ -49,6 +49,7 @@ from concurrent.futures import wait as wait_futures
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
+from triton_pipelines.cancel_board import BOARD_ENV, CancelBoard
 from triton_pipelines.server.control import ControlClient
 from triton_pipelines.server.drain import drain
 from triton_pipelines.server.processes import free_ports, remove_leftovers, spawn
@@ -122,16 +123,19 @@ class TritonProcesses:
     launcher, which drains, not tritonserver, whose own shutdown fails in-flight ensembles)."""
 
     def __init__(self, options: ServerOptions, key: str, metrics: LauncherMetrics, log: Callable[[str], None],
-                 stdout=None, stderr=None, public_models: Path | None = None):
+                 stdout=None, stderr=None, public_models: Path | None = None, board: CancelBoard | None = None):
         self.options, self.key, self.metrics, self.log = options, key, metrics, log
         self.stdout, self.stderr = stdout, stderr
         self.public_models = public_models
+        self.board = board  # the screens mark requests whose client has gone; the stubs look (cancel_board.py)
 
     def start_server(self, replica: "Replica") -> subprocess.Popen:
         embedded = self.options.tritonserver is None
         env = server_environment() if embedded else dict(os.environ)
         if self.options.spend_database_url:
             env[DATABASE_ENV] = self.options.spend_database_url
+        if self.board is not None:
+            env[BOARD_ENV] = str(self.board.folder)
         return spawn(server_command(self.options, replica.internal, self.key, replica.shm_prefix),
                      env=env, stdout=self.stdout, stderr=self.stderr, start_new_session=True)
 
@@ -150,6 +154,8 @@ class TritonProcesses:
         command += request_bytes_flags(self.options)
         if self.public_models is not None:
             command.append(f"--public-models-file={self.public_models}")
+        if self.board is not None:
+            command.append(f"--cancel-board={self.board.folder}")
         return spawn(command, stdout=self.stdout, stderr=self.stderr, start_new_session=True)
 
     def server_ready(self, replica: "Replica") -> bool:

@@ -11,7 +11,7 @@ import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from triton_pipelines.limits import (CLIENT_DEADLINE_PARAMETER, DEFAULT_MAX_INFLIGHT_BYTES, DEFAULT_RESPONSE_CACHE_BYTES,
+from triton_pipelines.limits import (CLIENT_CANCEL_PARAMETER, CLIENT_DEADLINE_PARAMETER, DEFAULT_MAX_INFLIGHT_BYTES, DEFAULT_RESPONSE_CACHE_BYTES,
                                     LOOPBACK)
 from triton_pipelines.gateway.keys import KEY_ID_PARAMETER
 from triton_pipelines.server.control import restricted_api_flags
@@ -143,10 +143,11 @@ def server_command(options: ServerOptions, internal: InternalPorts, key: str, sh
         f"--exit-timeout-secs={options.exit_timeout_secs}",
         f"--log-verbose={options.log_verbose}",
         *restricted_api_flags(key),
-        # the API key id the request screen resolved reaches the router as a request parameter, and
-        # a gRPC client's deadline the models (limits.CLIENT_DEADLINE_PARAMETER)
-        f"--http-header-forward-pattern=^{KEY_ID_PARAMETER}$",
-        f"--grpc-header-forward-pattern=^({KEY_ID_PARAMETER}|{CLIENT_DEADLINE_PARAMETER})$",
+        # the API key id the request screen resolved reaches the router as a request parameter, a
+        # gRPC client's deadline the models (limits.CLIENT_DEADLINE_PARAMETER), and every request's
+        # id on the cancel board (limits.CLIENT_CANCEL_PARAMETER)
+        f"--http-header-forward-pattern=^({KEY_ID_PARAMETER}|{CLIENT_CANCEL_PARAMETER})$",
+        f"--grpc-header-forward-pattern=^({KEY_ID_PARAMETER}|{CLIENT_DEADLINE_PARAMETER}|{CLIENT_CANCEL_PARAMETER})$",
         # Triton's gRPC frontend keeps up to 8 request/response objects (default) for reuse, each
         # holding the last message it carried: 8 large requests stayed resident for good (measured:
         # 24+24 requests of 48 MiB, 4 in flight, tritonserver RSS 40 MB -> 862 MB and never less;

@@ -305,3 +305,10 @@ def test_the_forwarded_deadline_parameter_is_reserved():
 
     refused(lambda: check_request_parameter_names([CLIENT_DEADLINE_PARAMETER.upper()]), "reserved",
             CLIENT_DEADLINE_PARAMETER)
+
+
+def test_the_cancel_board_id_parameter_is_reserved():
+    from triton_pipelines.limits import CLIENT_CANCEL_PARAMETER
+
+    refused(lambda: check_request_parameter_names([CLIENT_CANCEL_PARAMETER.upper()]), "reserved",
+            CLIENT_CANCEL_PARAMETER)

@@ -34,6 +34,21 @@ def test_server_command_loads_every_model_in_explicit_mode_on_loopback_with_rest
     assert "--backend-config=python,shm-region-prefix-name=p_" in command
     # no gRPC request/response objects kept for reuse: each held its last (up to 64 MiB) message
     assert "--grpc-infer-allocation-pool-size=0" in command
+    # the screen's headers that reach the models as request parameters: the key id, the gRPC
+    # deadline, every request's id on the cancel board (cancel_board.py)
+    import re
+
+    from triton_pipelines.gateway.keys import KEY_ID_PARAMETER
+    from triton_pipelines.limits import CLIENT_CANCEL_PARAMETER, CLIENT_DEADLINE_PARAMETER
+
+    patterns = {arg.split("=", 1)[0]: re.compile(arg.split("=", 1)[1]) for arg in command
+                if arg.startswith(("--http-header-forward-pattern=", "--grpc-header-forward-pattern="))}
+    forwarded = {flag: {name for name in (KEY_ID_PARAMETER, CLIENT_DEADLINE_PARAMETER, CLIENT_CANCEL_PARAMETER,
+                                          "authorization", "x-client-cancel-idx") if pattern.search(name)}
+                 for flag, pattern in patterns.items()}
+    assert forwarded == {"--http-header-forward-pattern": {KEY_ID_PARAMETER, CLIENT_CANCEL_PARAMETER},
+                         "--grpc-header-forward-pattern": {KEY_ID_PARAMETER, CLIENT_DEADLINE_PARAMETER,
+                                                           CLIENT_CANCEL_PARAMETER}}
 
 
 def test_unload_layers_put_callers_before_the_models_they_call():

@@ -12,8 +12,9 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from triton_pipelines.cancel_board import CancelBoard
 from triton_pipelines.errors import InputError, RequestCancelled, decode_utf8
-from triton_pipelines.limits import CLIENT_DEADLINE_PARAMETER
+from triton_pipelines.limits import CLIENT_CANCEL_PARAMETER, CLIENT_DEADLINE_PARAMETER
 from triton_pipelines.pipelines.speech.config import (DEFAULT_LANGUAGE, DEFAULT_MAX_NEW_TOKENS, DEFAULT_TASK, DEFAULT_TIMESTAMPS,
                                                      MAX_TARGET_POSITIONS, PROMPT_LENGTH, SAMPLE_RATE, TIMESTAMP_MODES,
                                                      WINDOW_SAMPLES)
@@ -162,11 +163,14 @@ def deadline_passed(parameters: Mapping[str, Any], now_ns: int) -> bool:
 
 
 def client_gone(parameters: Mapping[str, Any], is_cancelled: Callable[[], bool],
-                clock: Callable[[], int] = time.time_ns) -> Callable[[], bool]:
+                clock: Callable[[], int] = time.time_ns, board: CancelBoard | None = None) -> Callable[[], bool]:
     """A request's "has its client gone?": past its forwarded deadline (an ensemble's running step
-    is never cancelled by Triton 2.51) or cancelled (``request.is_cancelled()``: a round trip to the
-    server, asked only when the deadline has not passed)."""
-    return lambda: deadline_passed(parameters, clock()) or bool(is_cancelled())
+    is never cancelled by Triton 2.51), marked on the screen's cancel ``board`` (an HTTP client that
+    hung up, a gRPC call cancelled: ``cancel_board.py``) or cancelled (``request.is_cancelled()``: a
+    round trip to the server, asked only when neither said so)."""
+    request_id = parameters.get(CLIENT_CANCEL_PARAMETER) if board is not None else None
+    return lambda: (deadline_passed(parameters, clock()) or (request_id is not None and board.marked(request_id))
+                    or bool(is_cancelled()))
 
 
 class CancelWatch:
