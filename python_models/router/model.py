@@ -12,6 +12,7 @@ import triton_python_backend_utils as pb_utils
 
 from triton_pipelines.gateway.keys import KEY_ID_PARAMETER
 from triton_pipelines.gateway.service import GatewayService
+from triton_pipelines.limits import CLIENT_CANCEL_PARAMETER
 from triton_pipelines.pipelines.router.service import RouterService
 from triton_pipelines.pipelines.router.canary import SplitFile
 from triton_pipelines.pipelines.router.router import Router
@@ -54,9 +55,10 @@ class TritonPythonModel:
     async def answer(self, request):
         sender = request.get_response_sender()
         inputs = [input_array(request, name) for name in ("task", "payload", "latency_class")]
-        key_id = request_parameters(request).get(KEY_ID_PARAMETER)  # forwarded by the request screen
+        parameters = request_parameters(request)  # the key id and cancel board id the request screen forwarded
         with request_span(request):  # its BLS and gateway calls' spans hang under it, when traced
-            answer = await self.service.handle(*inputs, request.request_id() or None, key_id)
+            answer = await self.service.handle(*inputs, request.request_id() or None, parameters.get(KEY_ID_PARAMETER),
+                                               parameters.get(CLIENT_CANCEL_PARAMETER))
         if answer.reason:
             sender.send(pb_utils.InferenceResponse(error=response_error(answer.reason, answer.message)), flags=FINAL)
         else:

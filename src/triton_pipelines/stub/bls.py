@@ -48,12 +48,17 @@ def bls_outputs(response, target: str, names: Sequence[str]) -> dict[str, np.nda
     return outputs
 
 
-async def call_async(target: str, inputs: Mapping[str, np.ndarray], outputs: Sequence[str]) -> dict[str, np.ndarray]:
-    """One request to ``target`` without blocking the caller's event loop (the router's calls)."""
+async def call_async(target: str, inputs: Mapping[str, np.ndarray], outputs: Sequence[str],
+                     parameters: Mapping[str, str] | None = None) -> dict[str, np.ndarray]:
+    """One request to ``target`` without blocking the caller's event loop (the router's calls);
+    ``parameters``: the request's parameters."""
     trace = bls_trace()  # the request's trace, when traced: Triton's spans of the callee join it
+    kwargs = {"parameters": dict(parameters)} if parameters else {}
+    if trace is not None:
+        kwargs["trace"] = trace
     request = pb_utils.InferenceRequest(model_name=target, requested_output_names=list(outputs),
                                         inputs=[pb_utils.Tensor(name, array) for name, array in inputs.items()],
-                                        **({"trace": trace} if trace is not None else {}))
+                                        **kwargs)
     with bls_span(target):
         try:
             response = await request.async_exec()

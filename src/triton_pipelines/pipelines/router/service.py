@@ -26,6 +26,7 @@ from triton_pipelines.errors import InputError, RouteError, decode_utf8, error_k
 from triton_pipelines.gateway.upstream import Completion, GatewayClient
 from triton_pipelines.gateway.refusal import GatewayRefusal
 from triton_pipelines.gateway.service import GatewayService
+from triton_pipelines.limits import CLIENT_CANCEL_PARAMETER, CLIENT_DEADLINE_PARAMETER
 from triton_pipelines.repository.routes import RoutedRequest
 from triton_pipelines.pipelines.router.router import Router, json_bytes
 
@@ -48,8 +49,20 @@ class Recorder(Protocol):
     def start_at_zero(self, tasks: Mapping[str, str], gateway_models: list[str]) -> None: ...
 
 
-# BLS call: (target model, inputs, requested outputs) → outputs; raises RouteError.
-TritonCall = Callable[[str, Mapping[str, np.ndarray], Sequence[str]], Awaitable[dict[str, np.ndarray]]]
+# BLS call: (target model, inputs, requested outputs, request parameters) → outputs; raises RouteError.
+TritonCall = Callable[[str, Mapping[str, np.ndarray], Sequence[str], Mapping[str, str]],
+                      Awaitable[dict[str, np.ndarray]]]
+
+
+def forwarded_parameters(deadline_s: float, cancel_id: str | None, now_ns: int | None = None) -> dict[str, str]:
+    """What a self-hosted task's BLS request carries for the models that run long (whisper_decode):
+    the task's deadline (Triton 2.51 never stops a running ensemble step when its BLS caller gives
+    up) and the router request's id on the screen's cancel board, when it has one."""
+    now_ns = time.time_ns() if now_ns is None else now_ns
+    parameters = {CLIENT_DEADLINE_PARAMETER: str(now_ns + int(deadline_s * 1e9))}
+    if cancel_id:
+        parameters[CLIENT_CANCEL_PARAMETER] = cancel_id
+    return parameters
 
 
 class RouterService:
@@ -78,15 +91,16 @@ class RouterService:
 
     # ------------------------------------------------------------------------- one request
     async def handle(self, tasks: np.ndarray | None, payloads: np.ndarray | None, classes: np.ndarray | None,
-                     request_id: str | None, key_id: str | None = None) -> Answer:
+                     request_id: str | None, key_id: str | None = None, cancel_id: str | None = None) -> Answer:
         """All rows of one request, concurrently; never raises. ``key_id``: the API key's id the
-        request screen forwarded (``api_keys.KEY_ID_PARAMETER``), for gateway tasks."""
+        request screen forwarded (``api_keys.KEY_ID_PARAMETER``), for gateway tasks; ``cancel_id``:
+        the request's id on the cancel board (``limits.CLIENT_CANCEL_PARAMETER``), passed on."""
         try:
             rows = self._rows(tasks, payloads, classes)
         except InputError as error:
             self.recorder.request("unknown", "none", "invalid_input", None, None, None, 0.0)
             return Answer(reason="invalid_input", message=str(error))
-        answers = await asyncio.gather(*(self.route_row(task, payload, latency_class, request_id, key_id)
+        answers = await asyncio.gather(*(self.route_row(task, payload, latency_class, request_id, key_id, cancel_id)
                                          for task, payload, latency_class in rows))
         failed = [(reason, message) for reason, message in answers if reason]
         if failed:
@@ -118,13 +132,13 @@ class RouterService:
 
     # ------------------------------------------------------------------------- one row
     async def route_row(self, task: Any, payload: Any, latency_class: Any, key: str | None,
-                        key_id: str | None = None) -> tuple[str, Any]:
+                        key_id: str | None = None, cancel_id: str | None = None) -> tuple[str, Any]:
         """(\"\", result JSON bytes) or (failure reason, message). Records metrics; never raises."""
         routed = None
         started = time.monotonic()
         try:
             routed = self.router.prepare(task, payload, latency_class, key)
-            result, completion, cost, routed = await self._serve(routed, key_id)
+            result, completion, cost, routed = await self._serve(routed, key_id, cancel_id)
         except GatewayRefusal as refusal:
             self.recorder.request(routed.task, routed.route, refusal.reason, None, routed, None, 0.0)
             return refusal.reason, refusal.marked()
@@ -148,7 +162,7 @@ class RouterService:
         self._note_circuit(routed)
         return "", json_bytes(result)
 
-    async def _serve(self, routed: RoutedRequest, key_id: str | None = None
+    async def _serve(self, routed: RoutedRequest, key_id: str | None = None, cancel_id: str | None = None
                      ) -> tuple[dict, Completion | None, float, RoutedRequest]:
         """(result, completion, cost, the request as served: a fallback names the model that answered)."""
         kind = routed.route
@@ -161,7 +175,8 @@ class RouterService:
             deadline = self.router.table.deadline_s(routed.task)
             if kind == "triton":
                 try:
-                    return await asyncio.wait_for(self._serve_triton(routed), deadline), None, 0.0, routed
+                    served = self._serve_triton(routed, forwarded_parameters(deadline, cancel_id))
+                    return await asyncio.wait_for(served, deadline), None, 0.0, routed
                 except asyncio.TimeoutError:
                     raise RouteError("timeout", f"no answer from {routed.target} within the task's deadline "
                                                 f"of {deadline:g} s") from None
@@ -177,15 +192,15 @@ class RouterService:
         finally:
             self.in_flight[kind] -= 1
 
-    async def _serve_triton(self, routed: RoutedRequest) -> dict:
+    async def _serve_triton(self, routed: RoutedRequest, parameters: Mapping[str, str]) -> dict:
         try:
-            outputs = await self.call_triton(routed.target, routed.inputs, routed.outputs)
+            outputs = await self.call_triton(routed.target, routed.inputs, routed.outputs, parameters)
         except RouteError as error:
             fallback = self.router.without_batch_variant(routed)
             if error.reason != "not_loaded" or fallback is None:
                 raise
             routed = fallback  # the result names what really served it
-            outputs = await self.call_triton(routed.target, routed.inputs, routed.outputs)
+            outputs = await self.call_triton(routed.target, routed.inputs, routed.outputs, parameters)
         return self.router.triton_result(routed, outputs)
 
     def _note_circuit(self, routed: RoutedRequest) -> None:

@@ -85,7 +85,7 @@ class Recorder:
         pass
 
 
-async def echo_triton(target, inputs, outputs):
+async def echo_triton(target, inputs, outputs, parameters):
     return {name: np.array([[b"ok"]], dtype=np.object_) for name in outputs}
 
 
@@ -110,7 +110,7 @@ def test_a_bug_in_one_row_fails_that_request_as_internal_without_a_traceback():
     recorder = Recorder()
     logged = []
 
-    async def broken_triton(target, inputs, outputs):
+    async def broken_triton(target, inputs, outputs, parameters):
         raise KeyError("/secret/path/model.py")
 
     service = RouterService(ROUTER, GatewayClient(TABLE.gateway, {}), broken_triton, recorder, logged.append)
@@ -118,3 +118,27 @@ def test_a_bug_in_one_row_fails_that_request_as_internal_without_a_traceback():
                                         np.array([[b'{"text": "x"}']], dtype=np.object_), None, None))
     assert answer.reason == "internal" and "KeyError" in answer.message and "/secret" not in answer.message
     assert recorder.reasons == ["internal"] and "Traceback" in logged[0] and "/secret/path" in logged[0]
+
+
+def test_a_self_hosted_call_carries_the_tasks_deadline_and_the_cancel_board_id():
+    """Triton 2.51 never stops a running ensemble step when the router gives up on it (its task's
+    deadline) or its client leaves: the BLS request carries both for whisper_decode's loop."""
+    import time
+
+    from triton_pipelines.limits import CLIENT_CANCEL_PARAMETER, CLIENT_DEADLINE_PARAMETER
+
+    seen = []
+
+    async def recording_triton(target, inputs, outputs, parameters):
+        seen.append(dict(parameters))
+        return await echo_triton(target, inputs, outputs, parameters)
+
+    service = RouterService(ROUTER, GatewayClient(TABLE.gateway, {}), recording_triton, Recorder())
+    before = time.time_ns()
+    answer = asyncio.run(service.handle(np.array([[b"speech_recognition"], [b"text_embedding"]], dtype=np.object_),
+                                        np.array([[b'{"audio": "AAAA"}'], [b'{"text": "x"}']], dtype=np.object_),
+                                        None, None, None, "ab" * 16))
+    assert not answer.reason, answer.message
+    deadlines = sorted(int(p[CLIENT_DEADLINE_PARAMETER]) - before for p in seen)
+    assert 59e9 <= deadlines[0] <= 61e9 and 299e9 <= deadlines[1] <= 301e9  # text 60 s, speech 300 s (routes.yaml)
+    assert all(p[CLIENT_CANCEL_PARAMETER] == "ab" * 16 for p in seen)
