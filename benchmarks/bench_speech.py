@@ -168,11 +168,13 @@ class FasterWhisper:
         pass
 
 
-def ours_in_process(repository: Path, clips: Clips, encoder: Path | None = None) -> dict:
+def ours_in_process(repository: Path, clips: Clips, encoder: Path | None = None, rows_per_run: int = 0) -> dict:
     """Our graphs (``encoder`` instead of the served one) in our greedy loop, in process, with
-    the served VAD windowing, one clip at a time and in batches of 8 clips."""
+    the served VAD windowing, one clip at a time and in batches of 8 clips; ``rows_per_run``: the
+    encoder's windows per call (1 for the int8 encoder, as the embedded target runs it)."""
     encoder = encoder or repository / "whisper_encoder" / "1" / "model.onnx"
-    whisper = WhisperOnnx(encoder, repository / "whisper_decoder" / "1" / "model.onnx", intra_op_threads=THREADS)
+    whisper = WhisperOnnx(encoder, repository / "whisper_decoder" / "1" / "model.onnx", intra_op_threads=THREADS,
+                          encoder_rows_per_run=rows_per_run)
     filters = load_mel_filters(repository / "audio_features" / "1" / "mel_filters.npz", whisper.shape.n_mels)
     tokenizer = WhisperTokenizer(repository / "whisper_decode" / "1" / "multilingual.tiktoken")
     vad = SileroVad(repository / "audio_features" / "1" / VAD_MODEL_FILE)
@@ -264,7 +266,7 @@ def measure_all(server, repository: Path, model_dir: Path, clips: Clips, long: L
             model_dir, long, compute_type)
     float32, int8 = encoders(repository)
     in_process = {"ours in process, float32 ONNX": ours_in_process(repository, clips, float32),
-                  "ours in process, int8 encoder (--whisper-int8)": ours_in_process(repository, clips, int8)}
+                  "ours in process, int8 encoder (--whisper-int8)": ours_in_process(repository, clips, int8, 1)}
     return {"rounds": rounds, "long": long_results, "in_process": in_process}
 
 

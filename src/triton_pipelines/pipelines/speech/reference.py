@@ -17,15 +17,23 @@ class WhisperOnnx:
     """In-process reference: the same two ONNX graphs in ONNX Runtime, same greedy state machine.
     Used by the tests (token equality with Triton) and by the benchmark's baseline."""
 
-    def __init__(self, encoder_onnx: Path | str, decoder_onnx: Path | str, intra_op_threads: int = 0):
+    def __init__(self, encoder_onnx: Path | str, decoder_onnx: Path | str, intra_op_threads: int = 0,
+                 encoder_rows_per_run: int = 0):
+        """``encoder_rows_per_run``: as the served encoder's ``rows_per_run`` (1 for ``--whisper-int8``,
+        whose result depends on its batch: ``OnnxBatchRunner``); 0 encodes every window at once."""
         self.encoder = onnx_session(encoder_onnx, intra_op_threads)
+        self.encoder_rows_per_run = encoder_rows_per_run
         self.decoder = onnx_session(decoder_onnx, intra_op_threads)
         self.shape = DecoderShape.from_sessions(self.encoder, self.decoder)
         self.cross_names = cross_names(self.shape.layers)
 
     def encode(self, features: np.ndarray) -> dict[str, np.ndarray]:
-        outputs = self.encoder.run(self.cross_names, {"input_features": features.astype(np.float32)})
-        return dict(zip(self.cross_names, outputs))
+        features = features.astype(np.float32)
+        step = self.encoder_rows_per_run or len(features)
+        parts = [self.encoder.run(self.cross_names, {"input_features": features[start:start + step]})
+                 for start in range(0, len(features), max(step, 1))]
+        return {name: parts[0][i] if len(parts) == 1 else np.concatenate([part[i] for part in parts])
+                for i, name in enumerate(self.cross_names)}
 
     def decode_windows(self, features: np.ndarray, prompts: np.ndarray, tokenizer: WhisperTokenizer,
                        max_new_tokens: int | np.ndarray) -> list[list[int]]:
