@@ -373,8 +373,7 @@ class GrpcScreen:
         traced = screen_trace("grpc", "stream", metadata_value(received, "traceparent"),
                               metadata_value(received, "tracestate"))  # one span for the whole stream
         stream_id = new_id() if self.board is not None else None  # every request of the stream's
-        if stream_id:
-            metadata += ((CLIENT_CANCEL_PARAMETER, stream_id),)
+        metadata += ((CLIENT_CANCEL_PARAMETER, stream_id),) if stream_id else ()
         call = self.stream_call(timeout=context.time_remaining(), metadata=metadata + traced.grpc_metadata(context))
         # Triton's responses and our refusals, in order; bounded, so a client that sends refused
         # messages without reading the answers is held back (it is no longer read) instead of queued.
@@ -429,10 +428,15 @@ class GrpcScreen:
             call.cancel()
             await asyncio.gather(pump, drain, return_exceptions=True)
             traced.end()
-            if held and stream_id:  # requests in Triton whose client has gone
-                self.board.mark(stream_id)
-            while held:  # requests whose final response never came (cancelled, failed stream)
-                self.give_back(client, held.popleft())
+            self.stream_ended(client, held, stream_id)
+
+    def stream_ended(self, client: str, held: deque, stream_id: str | None) -> None:
+        """Requests whose final response never came (cancelled, failed stream): marked on the
+        cancel board (Triton may still be running them) and their places given back."""
+        if held and stream_id:
+            self.board.mark(stream_id)
+        while held:
+            self.give_back(client, held.popleft())
 
     async def take(self, client: str, size: int, answers: asyncio.Queue) -> bool:
         """A place and ``size`` bytes for a stream's request, waiting until they are free; False (and
