@@ -333,3 +333,15 @@ def test_the_builder_image_installs_every_package_the_builder_takes_files_from()
         if not distributions & provided:
             missing[what] = sorted(distributions)
     assert not missing, f"the builder image does not install what the builder reads: {missing}"
+
+
+@pytest.mark.slow
+def test_the_bench_requirements_resolve_beside_the_development_venvs():
+    """``make bench`` installs requirements-bench.txt into the same venv as requirements.txt: both
+    together must resolve, or pip moves a served pin (fastapi 0.142+ took opentelemetry-api 1.45,
+    breaking the pinned OpenTelemetry SDK 1.27 that tracing runs on)."""
+    command = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
+               "--target", "/nonexistent", "--prefer-binary", "torch==2.13.0",
+               "-r", str(PROJECT_ROOT / "requirements.txt"), "-r", str(PROJECT_ROOT / "requirements-bench.txt")]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=PROJECT_ROOT, timeout=900)
+    assert result.returncode == 0, result.stderr[-2000:]
