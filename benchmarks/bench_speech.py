@@ -9,8 +9,9 @@ Two jobs, each with its WER:
    clip per request: concurrency 1, and ``SATURATION`` requests in flight), faster-whisper float32
    and int8 (``WhisperModel.transcribe``: one model with 2 threads for concurrency 1,
    ``num_workers=2`` × 1 thread with 2 clips in flight at saturation) are measured in turn
-   ``ROUNDS`` times, so that the load of the shared machine drifts across them alike; the report
-   gives the ratios round by round.
+   ``ROUNDS`` times (after one untimed pass of each at saturation: the first requests of new
+   batch shapes cost more), so that the load of the shared machine drifts across them alike; the
+   report gives the ratios round by round.
 2. **One long file** (``LongFile``): the English sentences three times over, pauses of 0.6 s and
    2.5 s in turn (about 3 minutes). Ours: one request with ``vad_filter`` true (VAD packs the speech
    into full windows, decoded together), the same with the default VAD mode (``windows``: the
@@ -252,6 +253,8 @@ def measure_all(server, repository: Path, model_dir: Path, clips: Clips, long: L
     systems = {MAIN[0]: Ours(server, clips), MAIN[1]: FasterWhisper(model_dir, clips, "float32"),
                MAIN[2]: FasterWhisper(model_dir, clips, "int8")}
     rounds = {name: [] for name in systems}
+    for system in systems.values():  # every system once at saturation, untimed: batch shapes seen
+        system.run(SATURATION)
     for _ in range(ROUNDS):
         for name, system in systems.items():
             rounds[name].append({"c1": system.run(1), "sat": system.run(SATURATION)})

@@ -75,6 +75,8 @@ HEAP_KEEP_FREED_BYTES = 256 * 2**20
 # whisper_decode drives the Whisper models through BLS, one batch at a time: their own queue delay
 # would only add latency to every decoding step. The throughput class batches in the loop instead:
 # whisper_decode_batch waits up to 50 ms for a full decode batch (speech_recognition_batch).
+# --whisper-encoder: the encoder's weights (int8: ENCODER_INT8, export/whisper.py).
+WHISPER_ENCODERS = ("float32", "int8")
 SPEECH_BATCH_VARIANT = LatencyVariant("batch", preferred_batch_sizes=(8,), max_queue_delay_microseconds=50000)
 # What each compute model is of the whole Whisper (its model table row and config's architecture).
 # Where audio_features' Silero VAD comes from (its provenance line in docs/speech.md).
@@ -288,12 +290,15 @@ class SpeechPipeline(Pipeline):
                                  f"the packaged base on the embedded target; on the gpu target {GPU_HUB_DEFAULT} "
                                  "where the cache or the hub has it, else the packaged base (the builder says which "
                                  "and why). A model asked for here that cannot be had fails the build")
-        parser.add_argument("--whisper-int8", action="store_true",
-                            help="quantize whisper_encoder's MatMul weights to int8 per channel (ONNX Runtime "
-                                 "dynamic quantization; its provenance says so): faster on a CPU, WER measured "
-                                 "within 1 point of float32 (docs/speech.md); the embedded target runs it one window "
-                                 "at a time (activations are scaled per call), so a window's transcript does not "
-                                 "depend on its batch neighbours")
+        parser.add_argument("--whisper-encoder", choices=WHISPER_ENCODERS, default="float32",
+                            help="whisper_encoder's weights: float32 (default: tokens as faster-whisper float32 and "
+                                 "openai-whisper decode them) or int8 (its MatMul weights int8 per channel, ONNX "
+                                 "Runtime dynamic quantization, its provenance says so: about 1.8x faster on a CPU, "
+                                 "WER measured 1 point above float32 and below faster-whisper float32, docs/speech.md; "
+                                 "the embedded target runs it one window at a time, as activations are scaled per "
+                                 "call, so a window's transcript does not depend on its batch neighbours)")
+        parser.add_argument("--whisper-int8", dest="whisper_encoder", action="store_const", const="int8",
+                            help="alias of --whisper-encoder int8")
         parser.add_argument("--whisper-checkpoint", dest="whisper_model", metavar="DIR",
                             help=f"alias of {FLAG} DIR (a local {HF_ARCHITECTURE} checkpoint)")
         parser.add_argument("--whisper-size", dest="whisper_model", type=random_spec, metavar="SIZE",
@@ -316,7 +321,12 @@ class SpeechPipeline(Pipeline):
 
     def compute_models(self, context: BuildContext) -> list[ComputeModel]:
         source = self.source(context)
-        int8 = bool(getattr(context.args, "whisper_int8", False))
+        int8 = getattr(context.args, "whisper_encoder", "float32") == "int8"
+        if int8 and context.target != "embedded":
+            from triton_pipelines.errors import ConfigError
+
+            raise ConfigError("--whisper-encoder int8 is for the embedded target (ONNX Runtime on a CPU); the gpu "
+                              "target serves the float32 encoder on the GPU")
         return [encoder_model(source, context.target, int8), decoder_model(source)]
 
     def patch_config(self, config: mc.ModelConfig, context: BuildContext) -> None:

@@ -34,7 +34,9 @@ def test_the_embedded_int8_encoder_runs_one_window_a_call():
 def test_the_builder_flag():
     parser = argparse.ArgumentParser()
     SpeechPipeline.add_arguments(parser)
-    assert parser.parse_args(["--whisper-int8"]).whisper_int8 and not parser.parse_args([]).whisper_int8
+    assert parser.parse_args(["--whisper-int8"]).whisper_encoder == "int8"
+    assert parser.parse_args(["--whisper-encoder", "int8"]).whisper_encoder == "int8"
+    assert parser.parse_args([]).whisper_encoder == "float32"
 
 
 def quantized_matmul(tmp_path):
@@ -81,3 +83,20 @@ def test_a_row_of_the_int8_graph_does_not_depend_on_its_batch_when_run_a_row_a_c
     assert np.array_equal(per_row.run([{"x": quiet}, {"x": loud}])[0]["y"], alone["y"])
     (both,) = per_row.run([{"x": np.concatenate([quiet, loud])}])
     assert np.array_equal(both["y"][:1], alone["y"]) and both["y"].shape == (2, 32)
+
+
+def test_the_int8_encoder_is_refused_on_the_gpu_target():
+    import pytest
+
+    from triton_pipelines.errors import ConfigError
+
+    class Context:
+        target = "gpu"
+        args = argparse.Namespace(whisper_encoder="int8")
+
+        @staticmethod
+        def once(name, make):
+            return packaged_source("test")
+
+    with pytest.raises(ConfigError, match="embedded target"):
+        SpeechPipeline().compute_models(Context())
