@@ -4,13 +4,16 @@ a client traceparent) and at 100 %, every span exported to a loopback OTLP recei
 drops them (so the export's own cost, on the same cores, is in the figures).
 
 Three servers of the same three models, the response cache off (every request is computed; each
-one also carries a text of its own), measured off, default, 100 %, 100 %, default, off so that a
-drift of the shared machine falls on all three."""
+one also carries a text of its own). Off and the default sampling alternate three times each
+(ABBA: a drift of the machine falls on both alike), then 100 % twice; before each window the
+receiver has had nothing for ``QUIET_S`` (the exporters of the window before have drained: a
+100 % window's queued spans would otherwise be exported, on the same cores, during the next)."""
 
 from __future__ import annotations
 
 import os
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
@@ -28,7 +31,8 @@ MODELS = ["text_tokenizer", "text_encoder", MODEL]
 UNIQUE = 6000
 MODES = {"off": {}, "default": {"OTEL_TRACES_SAMPLER": "", "OTEL_TRACES_SAMPLER_ARG": ""},
          "100%": {"OTEL_TRACES_SAMPLER": "always_on"}}
-ORDER = ("off", "default", "100%", "100%", "default", "off")
+ORDER = ("off", "default", "default", "off", "off", "default", "100%", "100%")
+QUIET_S = 2.0
 
 
 class Sink:
@@ -37,10 +41,12 @@ class Sink:
     def __init__(self):
         sink = self
         self.bytes = 0
+        self.last = time.monotonic()
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self):
                 sink.bytes += len(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
+                sink.last = time.monotonic()
                 self.send_response(200)
                 self.send_header("Content-Length", "0")
                 self.end_headers()
@@ -51,6 +57,12 @@ class Sink:
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def wait_quiet(self, quiet_s: float = QUIET_S, limit_s: float = 60.0) -> None:
+        """Until nothing has arrived for ``quiet_s`` (at most ``limit_s``)."""
+        deadline = time.monotonic() + limit_s
+        while time.monotonic() - self.last < quiet_s and time.monotonic() < deadline:
+            time.sleep(0.2)
 
     def close(self):
         self.server.shutdown()
@@ -83,6 +95,7 @@ def run(server) -> str:
                 batch = [triton_request([("text", "BYTES", np.array([[t.encode()]], dtype=object))], ["embedding"])
                          for t in texts]
                 url = f"http://{servers[label].http_url}/v2/models/{MODEL}/infer"
+                sink.wait_quiet()
                 result = measure(Target(f"tracing {label}", url, batch, triton_check), concurrency,
                                  seconds=settings.seconds, min_requests=settings.min_requests)
                 results.setdefault((label, concurrency), []).append(result)
@@ -100,7 +113,8 @@ def run(server) -> str:
         for label in ("default", "100%"):
             traced = np.mean([r.throughput for r in results[(label, concurrency)]])
             lines.append(f"- concurrency {concurrency}, {label}: {traced:.1f} texts/s against {off:.1f} off "
-                         f"({traced / max(off, 1e-9) - 1:+.1%}, mean of two windows each)")
+                         f"({traced / max(off, 1e-9) - 1:+.1%}; means of {len(results[(label, concurrency)])} and "
+                         f"{len(results[('off', concurrency)])} windows)")
     return "\n".join([
         "## Tracing",
         "",
