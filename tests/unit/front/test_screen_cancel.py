@@ -17,7 +17,7 @@ from triton_pipelines.http1 import Upstream
 from triton_pipelines.limits import CLIENT_CANCEL_PARAMETER
 
 from tests.unit.front.test_screen_places import FakeTriton, client_metadata, infer_request, serve, wait_for
-from tests.unit.front.test_screen_server import request
+from tests.unit.front.test_screen_server import FakeTriton as FakeHttpTriton, request
 
 HEADER = CLIENT_CANCEL_PARAMETER.encode()
 
@@ -29,22 +29,12 @@ def header_id(head: bytes) -> str:
 
 async def http_hang_up(board: CancelBoard) -> tuple[list[bytes], list[str]]:
     """Two requests to a Triton that answers after 1 s: the first client waits, the second hangs up."""
-    heads = []
+    ok = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}"
+    triton = FakeHttpTriton([ok], delay_s=1.0), FakeHttpTriton([ok], delay_s=1.0)  # one connection each
+    handlers = iter(triton)
 
     async def slow_triton(reader, writer):
-        while True:
-            try:
-                head = await reader.readuntil(b"\r\n\r\n")
-            except asyncio.IncompleteReadError:
-                break
-            length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
-                              if line.lower().startswith(b"content-length")))
-            await reader.readexactly(length)
-            heads.append(head)
-            await asyncio.sleep(1.0)
-            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
-            await writer.drain()
-        writer.close()
+        await next(handlers).handle(reader, writer)
 
     upstream = await asyncio.start_server(slow_triton, "127.0.0.1", 0)
     screen = HttpScreen(ScreenPolicy(max_body_bytes=2**20, public_models=frozenset({"text_embedding"})),
@@ -57,14 +47,15 @@ async def http_hang_up(board: CancelBoard) -> tuple[list[bytes], list[str]]:
     for _, writer in (stays, leaves):
         writer.write(forged)
         await writer.drain()
-    await wait_for(lambda: len(heads) >= 1)
+    await wait_for(lambda: any(t.received for t in triton))
     leaves[1].close()
     head = await asyncio.wait_for(stays[0].readuntil(b"\r\n\r\n"), 10)
     reply = head + await stays[0].readexactly(2)
     stays[1].close()
     front.close()
     upstream.close()
-    return [reply], [header_id(h) for h in heads]
+    await wait_for(lambda: all(t.received for t in triton))
+    return [reply], [header_id(head) for t in triton for head, _ in t.received]
 
 
 def test_an_http_client_that_hangs_up_is_marked_and_one_that_waits_is_not(tmp_path):

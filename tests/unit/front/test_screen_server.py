@@ -17,10 +17,12 @@ STUB_DEAD = b'{"error":"Failed to process the request(s) for model \'text_tokeni
 
 
 class FakeTriton:
-    """Answers each request with the next scripted raw response; records what it received."""
+    """Answers each request with the next scripted raw response (after ``delay_s``); records what it
+    received."""
 
-    def __init__(self, answers: list[bytes]):
+    def __init__(self, answers: list[bytes], delay_s: float = 0.0):
         self.answers, self.received, self.connections = list(answers), [], 0
+        self.delay_s = delay_s  # before each answer
 
     async def handle(self, reader, writer):
         self.connections += 1
@@ -35,6 +37,7 @@ class FakeTriton:
             answer = self.answers.pop(0)
             if answer == b"close":
                 break
+            await asyncio.sleep(self.delay_s)
             writer.write(answer)
             await writer.drain()
         writer.close()
