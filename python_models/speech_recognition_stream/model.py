@@ -9,8 +9,7 @@ It does ``audio_features``' step in process (it needs each window's span in the 
 (``triton_pipelines.stub.whisper``): every request of a dynamic batch is decoded together, one
 decoder step for all running windows (``triton_pipelines.pipelines.speech.streaming.StreamDecode``). A request whose
 client has gone (cancelled, or its stream marked on the screen's cancel board) stops decoding
-within 0.1 s. Request parameter ``partials: false``:
-only the final response."""
+within 0.1 s. Request parameter ``partials: false``: only the final response."""
 
 import triton_python_backend_utils as pb_utils
 
@@ -60,7 +59,8 @@ class TritonPythonModel:
             except Exception as error:  # noqa: BLE001 - our bug fails this request in one line, not the batch
                 jobs.append(None)
                 sender.send(error_response(RuntimeError(f"speech planning failed: {error}")), flags=FINAL)
-        gone = [client_gone(request_parameters(r), s.is_cancelled, board=self.board) for r, s in zip(requests, senders)]
+        gone = [client_gone(request_parameters(request), sender.is_cancelled, board=self.board)
+                for request, sender in zip(requests, senders)]
         send = lambda i, outputs, final: senders[i].send(output_response(outputs), flags=FINAL if final else 0)  # noqa: E731
         try:
             StreamDecode(self.whisper.tokenizer, jobs, self.whisper.group_size, self.whisper.group, send,

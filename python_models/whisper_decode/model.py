@@ -9,8 +9,7 @@ step sends them and later steps name the decoder's cached copy (``input_cache_ke
 decoder also keeps the self-attention K/V between steps (later steps send only the new tokens and
 get only the logits). A request whose client has gone (cancelled, or past the gRPC deadline the
 screen forwards, or marked on its cancel board: an ensemble's running step is never cancelled by
-Triton 2.51) stops decoding
-within 0.1 s and is answered CANCELLED. Without a language (or ``auto``) it is detected on each
+Triton 2.51) stops decoding within 0.1 s and is answered CANCELLED. Without a language (or ``auto``) it is detected on each
 item's first window in the same loop; ``timestamps: segment`` decodes with Whisper's timestamp
 tokens, and ``segments`` carries their times (``window_spans``: each window's place in the clip). Request parsing, the decoding loop and the outputs:
 ``triton_pipelines.pipelines.speech`` (``plan_request``, ``GreedyDecoder``, ``transcript_outputs``); the BLS

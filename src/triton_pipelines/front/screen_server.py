@@ -32,8 +32,8 @@ from pathlib import Path
 from urllib.parse import unquote
 
 from triton_pipelines.cancel_board import CancelBoard, new_id
-from triton_pipelines.limits import (CLIENT_CANCEL_PARAMETER, CLIENT_DEADLINE_PARAMETER, DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_INFLIGHT_BYTES,
-                                    REQUEST_TIMEOUT_S, STREAM_FIRST_MESSAGE_S, client_share, replica_part)
+from triton_pipelines.limits import (CLIENT_CANCEL_PARAMETER, CLIENT_DEADLINE_PARAMETER, DEFAULT_MAX_INFLIGHT,
+                                    DEFAULT_MAX_INFLIGHT_BYTES, REQUEST_TIMEOUT_S, STREAM_FIRST_MESSAGE_S, client_share, replica_part)
 from triton_pipelines.gateway.keys import KEY_ID_PARAMETER, KeyRing, bearer_secret, keys_from_environment
 from triton_pipelines.errors import REFUSAL_STATUSES, parse_refusal
 from triton_pipelines.http1 import Upstream, header, read_body, read_head
@@ -255,7 +255,8 @@ class GrpcScreen:
     # authorization: the key's secret never reaches Triton (its id does, for the router); the
     # deadline header is the screen's own (client_deadline)
     _DROP = {"user-agent", "grpc-accept-encoding", "grpc-encoding", "te", "content-type", "authorization",
-             KEY_ID_PARAMETER, CLIENT_DEADLINE_PARAMETER, CLIENT_CANCEL_PARAMETER, CLIENT_ADDRESS_HEADER, *TRACE_HEADERS}
+             KEY_ID_PARAMETER, CLIENT_DEADLINE_PARAMETER, CLIENT_CANCEL_PARAMETER, CLIENT_ADDRESS_HEADER,
+             *TRACE_HEADERS}
 
     def __init__(self, policy: ScreenPolicy, triton_grpc: str, keys: KeyRing | None = None,
                  places: Places | None = None, overloaded: str = "", first_message_s: float = STREAM_FIRST_MESSAGE_S,

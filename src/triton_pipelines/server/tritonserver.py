@@ -11,8 +11,8 @@ import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from triton_pipelines.limits import (CLIENT_CANCEL_PARAMETER, CLIENT_DEADLINE_PARAMETER, DEFAULT_MAX_INFLIGHT_BYTES, DEFAULT_RESPONSE_CACHE_BYTES,
-                                    LOOPBACK)
+from triton_pipelines.limits import (CLIENT_CANCEL_PARAMETER, CLIENT_DEADLINE_PARAMETER, DEFAULT_MAX_INFLIGHT_BYTES,
+                                    DEFAULT_RESPONSE_CACHE_BYTES, LOOPBACK)
 from triton_pipelines.gateway.keys import KEY_ID_PARAMETER
 from triton_pipelines.server.control import restricted_api_flags
 from triton_pipelines.repository.contract import PYTHON_BACKEND_SHM_CONFIG

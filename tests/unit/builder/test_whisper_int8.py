@@ -27,7 +27,8 @@ def test_the_int8_encoder_is_another_export_with_its_provenance():
 
 def test_the_embedded_int8_encoder_runs_one_window_a_call():
     source = packaged_source("test")
-    assert encoder_model(source, "embedded", int8=True).config("embedded").parameters["rows_per_run"].string_value == "1"
+    int8 = encoder_model(source, "embedded", int8=True).config("embedded")
+    assert int8.parameters["rows_per_run"].string_value == "1"
     assert "rows_per_run" not in encoder_model(source, "embedded").config("embedded").parameters
 
 
