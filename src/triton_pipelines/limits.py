@@ -39,6 +39,14 @@ MAX_AUDIO_SECONDS = 300.0
 # a running ``whisper_decode`` learns that its client has gone only from this (an ensemble passes
 # its parameters on to every step). Reserved: a client cannot send it.
 CLIENT_DEADLINE_PARAMETER = "x-client-deadline-ns"
+
+
+def client_deadline_value(remaining_s: float, now_ns: int) -> str:
+    """``CLIENT_DEADLINE_PARAMETER``'s value: the deadline ``remaining_s`` from ``now_ns``, in ns
+    since the epoch (the screen's for a gRPC call, the router's for its BLS calls)."""
+    return str(now_ns + max(0, int(remaining_s * 1e9)))
+
+
 # The header (forwarded by tritonserver as a request parameter, HTTP and gRPC) in which the screen
 # gives every inference request its id on the cancel board (``cancel_board.py``): marked there
 # when the client leaves before its answer. Reserved: a client cannot send it.

@@ -33,7 +33,8 @@ from urllib.parse import unquote
 
 from triton_pipelines.cancel_board import CancelBoard, new_id
 from triton_pipelines.limits import (CLIENT_CANCEL_PARAMETER, CLIENT_DEADLINE_PARAMETER, DEFAULT_MAX_INFLIGHT,
-                                    DEFAULT_MAX_INFLIGHT_BYTES, REQUEST_TIMEOUT_S, STREAM_FIRST_MESSAGE_S, client_share, replica_part)
+                                    DEFAULT_MAX_INFLIGHT_BYTES, REQUEST_TIMEOUT_S, STREAM_FIRST_MESSAGE_S,
+                                    client_deadline_value, client_share, replica_part)
 from triton_pipelines.gateway.keys import KEY_ID_PARAMETER, KeyRing, bearer_secret, keys_from_environment
 from triton_pipelines.errors import REFUSAL_STATUSES, parse_refusal
 from triton_pipelines.http1 import Upstream, header, read_body, read_head
@@ -472,7 +473,7 @@ def client_deadline(remaining_s: float | None, now_ns: int | None = None) -> tup
     if remaining_s is None:
         return ()
     now_ns = time.time_ns() if now_ns is None else now_ns
-    return ((CLIENT_DEADLINE_PARAMETER, str(now_ns + max(0, int(remaining_s * 1e9)))),)
+    return ((CLIENT_DEADLINE_PARAMETER, client_deadline_value(remaining_s, now_ns)),)
 
 
 def stream_error_response(message: str) -> bytes:

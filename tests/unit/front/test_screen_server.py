@@ -166,5 +166,6 @@ def test_a_grpc_deadline_reaches_the_models_as_the_screens_own_parameter():
     before = time.time_ns()
     seen = asyncio.run(grpc_exchange(5.0, forged))
     values = [int(v) for k, v in seen if k == CLIENT_DEADLINE_PARAMETER]
-    assert len(values) == 1 and before + 3 * 10**9 < values[0] <= time.time_ns() + 5 * 10**9
+    # gRPC's deadline clock is not the wall clock: a few ms either way (a 4 ms overshoot was seen)
+    assert len(values) == 1 and before + 3 * 10**9 < values[0] <= time.time_ns() + 5 * 10**9 + 50 * 10**6
     assert not [v for k, v in asyncio.run(grpc_exchange(None, forged)) if k == CLIENT_DEADLINE_PARAMETER]

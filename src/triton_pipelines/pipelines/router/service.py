@@ -26,7 +26,7 @@ from triton_pipelines.errors import InputError, RouteError, decode_utf8, error_k
 from triton_pipelines.gateway.upstream import Completion, GatewayClient
 from triton_pipelines.gateway.refusal import GatewayRefusal
 from triton_pipelines.gateway.service import GatewayService
-from triton_pipelines.limits import CLIENT_CANCEL_PARAMETER, CLIENT_DEADLINE_PARAMETER
+from triton_pipelines.limits import CLIENT_CANCEL_PARAMETER, CLIENT_DEADLINE_PARAMETER, client_deadline_value
 from triton_pipelines.repository.routes import RoutedRequest
 from triton_pipelines.pipelines.router.router import Router, json_bytes
 
@@ -59,7 +59,7 @@ def forwarded_parameters(deadline_s: float, cancel_id: str | None, now_ns: int |
     the task's deadline (Triton 2.51 never stops a running ensemble step when its BLS caller gives
     up) and the router request's id on the screen's cancel board, when it has one."""
     now_ns = time.time_ns() if now_ns is None else now_ns
-    parameters = {CLIENT_DEADLINE_PARAMETER: str(now_ns + int(deadline_s * 1e9))}
+    parameters = {CLIENT_DEADLINE_PARAMETER: client_deadline_value(deadline_s, now_ns)}
     if cancel_id:
         parameters[CLIENT_CANCEL_PARAMETER] = cancel_id
     return parameters
