@@ -183,12 +183,13 @@ class HttpScreen:
         except ScreenError as error:
             return http_response(error.status, error_body(str(error)))
         traced = screen_trace("http", model, header(headers, b"traceparent"), header(headers, b"tracestate"))
-        if self.board is None:
-            return traced.http_answer(await self.forward(request_line, headers, body, extra + traced.http_headers()))
-        request_id = new_id()
-        extra.append((CLIENT_CANCEL_PARAMETER.encode(), request_id.encode()))
-        answer = asyncio.ensure_future(self.forward(request_line, headers, body, extra + traced.http_headers()))
-        return traced.http_answer(await self.unless_gone(answer, reader, request_id))
+        request_id = new_id() if self.board is not None else None
+        if request_id:
+            extra.append((CLIENT_CANCEL_PARAMETER.encode(), request_id.encode()))
+        answer = self.forward(request_line, headers, body, extra + traced.http_headers())
+        if request_id:
+            answer = self.unless_gone(asyncio.ensure_future(answer), reader, request_id)
+        return traced.http_answer(await answer)
 
     async def unless_gone(self, answer: asyncio.Future, reader: asyncio.StreamReader, request_id: str) -> bytes:
         """Triton's ``answer``; meanwhile, a client that closes its connection (nginx does when its

@@ -126,21 +126,12 @@ class OnnxBatchRunner:
                 feeds = dict(requests[indices[0]])
             else:
                 feeds = {name: np.concatenate([requests[i][name] for i in indices]) for name in self.input_names}
-            outputs = self._run_rows(names, {n: feeds[n] for n in self.input_names}, sum(sizes))
+            outputs = run_rows(self.session, names, {n: feeds[n] for n in self.input_names}, self.rows_per_run)
             offsets = np.cumsum([0] + sizes)
             for position, index in enumerate(indices):
                 start, stop = offsets[position], offsets[position + 1]
                 results[index] = {name: out[start:stop] for name, out in zip(names, outputs)}
         return results  # type: ignore[return-value]
-
-    def _run_rows(self, names: list[str], feeds: dict[str, np.ndarray], rows: int) -> list[np.ndarray]:
-        """One ONNX Runtime call, or one per ``rows_per_run`` rows (outputs joined in row order)."""
-        step = self.rows_per_run
-        if not step or rows <= step:
-            return self.session.run(names, feeds)
-        parts = [self.session.run(names, {n: value[start:start + step] for n, value in feeds.items()})
-                 for start in range(0, rows, step)]
-        return [np.concatenate([part[i] for part in parts]) for i in range(len(names))]
 
     def _run_length_grouped(self, requests: Sequence[Mapping[str, np.ndarray]], names: list[str]
                             ) -> list[dict[str, np.ndarray]]:
@@ -398,6 +389,18 @@ class _CacheEntry:
     state: dict[str, np.ndarray] | None = None
     state_rows: np.ndarray | None = None
     pending: np.ndarray | None = None
+
+
+def run_rows(session, names: list[str], feeds: dict[str, np.ndarray], rows_per_run: int = 0
+             ) -> list[np.ndarray]:
+    """One ONNX Runtime call, or one per ``rows_per_run`` rows of ``feeds`` (0: no limit), the
+    outputs joined in row order (``OnnxBatchRunner``'s ``rows_per_run``)."""
+    rows = len(next(iter(feeds.values())))
+    if not rows_per_run or rows <= rows_per_run:
+        return session.run(names, feeds)
+    parts = [session.run(names, {n: value[start:start + rows_per_run] for n, value in feeds.items()})
+             for start in range(0, rows, rows_per_run)]
+    return [np.concatenate([part[i] for part in parts]) for i in range(len(names))]
 
 
 def _refill(buffer: np.ndarray | None, given: np.ndarray) -> np.ndarray:

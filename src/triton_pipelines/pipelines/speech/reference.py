@@ -8,7 +8,7 @@ from typing import Mapping
 
 import numpy as np
 
-from triton_pipelines.pipelines.onnx_runner import onnx_session
+from triton_pipelines.pipelines.onnx_runner import onnx_session, run_rows
 from triton_pipelines.pipelines.speech.decoding import DecoderShape, GreedyDecoder, cross_names
 from triton_pipelines.pipelines.speech.tokenizer import WhisperTokenizer
 
@@ -28,12 +28,9 @@ class WhisperOnnx:
         self.cross_names = cross_names(self.shape.layers)
 
     def encode(self, features: np.ndarray) -> dict[str, np.ndarray]:
-        features = features.astype(np.float32)
-        step = self.encoder_rows_per_run or len(features)
-        parts = [self.encoder.run(self.cross_names, {"input_features": features[start:start + step]})
-                 for start in range(0, len(features), max(step, 1))]
-        return {name: parts[0][i] if len(parts) == 1 else np.concatenate([part[i] for part in parts])
-                for i, name in enumerate(self.cross_names)}
+        outputs = run_rows(self.encoder, self.cross_names, {"input_features": features.astype(np.float32)},
+                           self.encoder_rows_per_run)
+        return dict(zip(self.cross_names, outputs))
 
     def decode_windows(self, features: np.ndarray, prompts: np.ndarray, tokenizer: WhisperTokenizer,
                        max_new_tokens: int | np.ndarray) -> list[list[int]]:
