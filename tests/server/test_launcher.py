@@ -84,13 +84,13 @@ def proxy_in_front_of(handler, state_dir: Path, **config):
 
     upstream = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=upstream.serve_forever, daemon=True).start()
-    http_port, grpc_port, metrics_port, gate_port = free_ports(4)
+    http_port, grpc_port, metrics_port = free_ports(3)
     proxy = ProxyProcess(ProxyConfig(listen_address="127.0.0.1", http_port=http_port, grpc_port=grpc_port,
                                      metrics_port=metrics_port, triton_http_ports=(upstream.server_port,),
                                      triton_grpc_ports=(upstream.server_port,), status_port=upstream.server_port,
                                      screen_http_ports=(upstream.server_port,),
                                      screen_grpc_ports=(upstream.server_port,),
-                                     gate_port=gate_port, state_dir=state_dir, **config))
+                                     state_dir=state_dir, **config))
     return proxy, upstream, http_port
 
 

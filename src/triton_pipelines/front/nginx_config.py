@@ -13,8 +13,8 @@ and enforces, before anything is copied into Triton:
 - gRPC (HTTP/2): every message at most ``max_body_bytes``; over it, ``RESOURCE_EXHAUSTED``.
 - Inference requests in flight: at most ``max_inflight`` on each public port; one more is refused
   at once with 503 (``Retry-After: 1``) / ``UNAVAILABLE``. HTTP requests (native and ``/v1``) are
-  counted here once nginx has their whole body (a loopback "gate" server after the public one), so
-  slow senders hold no place. gRPC requests are counted in the request screens (``places.py``),
+  counted here once nginx has their whole body (a "gate" server after the public one, on a Unix
+  socket: ``gate_socket``), so slow senders hold no place. gRPC requests are counted in the request screens (``places.py``),
   once each message has arrived, one place per request of a ``ModelStreamInfer`` stream: nginx
   would count a stream from its HEADERS frame, with or without requests in it. nginx passes the
   client's address to the screen (``CLIENT_ADDRESS_HEADER``) for its share.
@@ -46,7 +46,7 @@ import string
 from dataclasses import dataclass
 from pathlib import Path
 
-from triton_pipelines.errors import openai_error_body
+from triton_pipelines.errors import ConfigError, openai_error_body
 from triton_pipelines.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_JSON_BYTES, REQUEST_TIMEOUT_S
 
 
@@ -101,9 +101,6 @@ class ProxyConfig:
     screen_http_ports: tuple[int, ...]
     screen_grpc_ports: tuple[int, ...]
     status_port: int  # the launcher's status server: /metrics and /v2/health/*
-    # Loopback port of the in-flight gate: HTTP inference requests reach it with their whole body
-    # read, so a client that sends its body slowly cannot hold one of the max_inflight places.
-    gate_port: int
     state_dir: Path  # pid file, temp bodies
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_json_bytes: int = DEFAULT_MAX_JSON_BYTES
@@ -215,6 +212,27 @@ def _servers(ports: tuple[int, ...]) -> str:
     return "\n".join(f"        server 127.0.0.1:{port} max_fails=0;" for port in ports)
 
 
+# The in-flight gate: HTTP inference requests reach it with their whole body read, so a client that
+# sends its body slowly cannot hold one of the max_inflight places. It is this nginx, on a Unix socket
+# in the workers' temp folder: no TCP port to take or leave in TIME_WAIT per request, and no other
+# local user reaches it past the public server's checks. (No kept-alive connections to it: at a
+# reload, a new worker's idle connection accepted by an old worker was closed as that one exited,
+# and the next POST on it failed.)
+GATE_SOCKET = "gate.sock"
+MAX_SOCKET_PATH = 107  # sockaddr_un.sun_path, less its terminating NUL
+
+
+def gate_socket(temp_dir: Path) -> Path:
+    """The gate's socket in the workers' temp folder (``temp_dir``); a ConfigError naming the folder
+    when its path is too long for a Unix socket."""
+    path = temp_dir.resolve() / GATE_SOCKET
+    if len(os.fsencode(path)) > MAX_SOCKET_PATH:
+        raise ConfigError(f"the state folder {temp_dir} is too long a path for nginx's gate socket "
+                          f"({len(os.fsencode(path))} bytes with /{GATE_SOCKET}, at most {MAX_SOCKET_PATH}): "
+                          "choose a shorter --state-dir")
+    return path
+
+
 def render_config(config: ProxyConfig, temp_dir: Path | None = None) -> str:
     """nginx.conf for the public ports (see the module docstring) from templates/nginx.conf; the
     workers' temp folders (large request bodies) under ``temp_dir``, by default the state folder."""
@@ -240,7 +258,7 @@ def render_config(config: ProxyConfig, temp_dir: Path | None = None) -> str:
            for key, (message, kind, code) in OPENAI_ERRORS.items()},
         "openai_servers": _servers((config.openai_port,)) if config.openai_port
         else "        server 127.0.0.1:1 down;",
-        "gate_port": config.gate_port,
+        "gate_socket": gate_socket(temp_dir or config.state_dir),
         "status_port": config.status_port,
         "upstream_timeout_s": config.upstream_timeout_s,
         "address": address,

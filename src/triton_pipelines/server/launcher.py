@@ -138,7 +138,6 @@ class Launcher:
             metrics=lambda: self.metrics.render([r.label for r in self.replicas if not r.retired])
             + (self.openai.metrics_text() if self.openai else ""),
             retire=self.retire, key=self.key, label_replicas=options.replicas > 1)
-        self.gate_port = free_ports(1)[0]  # the proxy's in-flight gate, kept across reconfigurations
         self.openai: FrontendProcess | None = None  # the OpenAI-compatible frontend behind /v1/
         try:
             # A keys file that is named but missing or malformed stops the start before any process
@@ -196,7 +195,6 @@ class Launcher:
             triton_grpc_ports=tuple(r.internal.grpc for r in chosen),
             screen_http_ports=tuple(r.screen_ports[0] for r in chosen),
             screen_grpc_ports=tuple(r.screen_ports[1] for r in chosen), status_port=self.status.port,
-            gate_port=self.gate_port,
             state_dir=self.state_dir / "proxy", max_body_bytes=self.options.max_body_bytes,
             max_json_bytes=self.options.max_json_bytes, max_inflight=self.options.max_inflight,
             max_inflight_per_client=per_client_share(self.options), run_as=default_worker_user(),

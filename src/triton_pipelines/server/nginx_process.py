@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from triton_pipelines.front.nginx_config import ProxyConfig, render_config
+from triton_pipelines.front.nginx_config import ProxyConfig, gate_socket, render_config
 from triton_pipelines.server.processes import child_pids, kill_process_group, spawn
 
 
@@ -83,6 +83,8 @@ class ProxyProcess:
         return ["-e", "stderr"] if found and tuple(map(int, found.groups())) >= (1, 19, 5) else []
 
     def _start(self) -> subprocess.Popen:
+        # nginx removes its Unix socket when it exits, not when it is killed, and cannot bind over one
+        gate_socket(self.temp_dir).unlink(missing_ok=True)
         return spawn([self.binary, *self._error_log(), "-p", str(self.config.state_dir), "-c", str(self.config_path)],
                      stdout=self.stdout, stderr=self.stderr, start_new_session=True)
 

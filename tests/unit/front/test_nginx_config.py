@@ -19,7 +19,7 @@ EXPECTED = TEST_DATA / "nginx"
 def config(**changes) -> ProxyConfig:
     values = dict(listen_address="0.0.0.0", http_port=8000, grpc_port=8001, metrics_port=8002,
                   triton_http_ports=(19000,), triton_grpc_ports=(19001,), screen_http_ports=(19004,),
-                  screen_grpc_ports=(19005,), status_port=19002, gate_port=19003,
+                  screen_grpc_ports=(19005,), status_port=19002,
                   state_dir=Path("/srv/triton-state"))
     return ProxyConfig(**(values | changes))
 
@@ -86,3 +86,17 @@ def test_a_down_v1_frontend_is_named_as_such():
     for unavailable in text.split("location @openai_unavailable")[1:]:
         assert MESSAGES["openai_unavailable"] in unavailable.split("}", 2)[0] + "}"
     assert "/v1 frontend" in MESSAGES["openai_unavailable"]
+
+
+def test_the_gate_is_a_unix_socket_in_the_workers_temp_folder_and_a_too_long_folder_is_one_line():
+    from triton_pipelines.errors import ConfigError
+    from triton_pipelines.front.nginx_config import MAX_SOCKET_PATH, gate_socket
+
+    text = render_config(config(), Path("/tmp/triton-proxy-z"))
+    assert text.count("unix:/tmp/triton-proxy-z/gate.sock") == 2  # the gate listens there; the public server sends there
+    assert "%%" not in text and "127.0.0.1:19003" not in text
+    folder = Path("/") / ("d" * (MAX_SOCKET_PATH - len("/gate.sock") - 1))
+    assert len(str(gate_socket(folder))) == MAX_SOCKET_PATH
+    with pytest.raises(ConfigError, match="too long a path for nginx's gate socket .*choose a shorter --state-dir") as error:
+        gate_socket(folder / "x")
+    assert "\n" not in str(error.value)

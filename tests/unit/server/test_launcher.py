@@ -85,7 +85,7 @@ def test_generated_nginx_config_is_valid_and_listens_where_asked(tmp_path):
         config = ProxyConfig(listen_address=address, http_port=18000, grpc_port=18001, metrics_port=18002,
                              triton_http_ports=(19000, 19010), triton_grpc_ports=(19001,), status_port=19002,
                              screen_http_ports=(19004, 19014), screen_grpc_ports=(19005, 19015),
-                             gate_port=19003, max_inflight_per_client=64,
+                             max_inflight_per_client=64,
                              state_dir=tmp_path)
         text = render_config(config)
         assert f"listen {address}:18000 " in text and f"listen {address}:18001 http2 " in text
