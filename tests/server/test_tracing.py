@@ -87,6 +87,33 @@ def text_request(text: str) -> dict:
     return {"inputs": [{"name": "text", "shape": [1, 1], "datatype": "BYTES", "data": [text]}]}
 
 
+# Triton 2.51's gRPC frontend reads a request's ``traceparent`` metadata as a C string
+# (``GrpcServerCarrier::Get`` returns ``string_ref::data()`` without its length; the same defect as
+# opentelemetry-cpp's gRPC example, fixed there in PR #3304). When the byte after the value in its
+# memory is not NUL, the W3C parser sees more than 55 characters, the context is invalid and, at
+# ``rate=0``, Triton traces nothing of that request: neither its spans nor the stubs' (they follow
+# Triton's context). Measured here: 12 of 370 gRPC requests (about 3%), never over HTTP
+# (docs/operations.md, "Tracing over gRPC"). So a test whose request reaches Triton over gRPC sends
+# fresh requests until one trace is whole; every attempt is checked for the front's part, and a
+# trace with only part of Triton's spans fails at once (that would be ours).
+GRPC_ATTEMPTS = 3
+
+
+def whole_trace_over_grpc(receiver, send, wanted: list[tuple[str, str]]) -> tuple[list, str]:
+    """``send()`` makes one traced request and returns (trace id, client span id); the spans of the
+    first attempt whose trace holds all of ``wanted``, with its client span id."""
+    front = [(name, process) for name, process in wanted if process not in ("tritonserver", "stub")]
+    for _ in range(GRPC_ATTEMPTS):
+        trace_id, span_id = send()
+        spans = wait_tree(receiver, trace_id, wanted)
+        if not missing_spans(spans, wanted):
+            break
+        assert not missing_spans(spans, front), f"the front's span is missing:\n{describe(spans)}"
+        assert not [s for s in spans if s.process in ("tritonserver", "stub")], (
+            f"part of Triton's spans came, not all of {missing_spans(spans, wanted)}:\n{describe(spans)}")
+    return spans, span_id
+
+
 def check_tree(spans, wanted, client_span: str) -> None:
     missing = missing_spans(spans, wanted)
     assert not missing, f"spans missing {missing}:\n{describe(spans)}"
@@ -124,16 +151,20 @@ def test_text_embedding_over_grpc_is_one_tree_and_names_its_trace(server, receiv
 
     from triton_pipelines.openai_api.triton_grpc import bytes_request
 
-    traceparent, trace_id, span_id = new_parent()
-    channel = grpc.insecure_channel(server.grpc_url)
-    try:
-        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
-        request = bytes_request(service_pb2, "text_embedding", "text", [f"grpc {trace_id}".encode()], "embedding")
-        _, call = stub.ModelInfer.with_call(request, metadata=(("traceparent", traceparent),), timeout=120)
-        assert dict(call.trailing_metadata())["x-trace-id"] == trace_id
-    finally:
-        channel.close()
-    spans = wait_tree(receiver, trace_id, [("screen text_embedding", "screen")] + EMBEDDING_TREE[1:])
+    def send() -> tuple[str, str]:
+        traceparent, trace_id, span_id = new_parent()
+        channel = grpc.insecure_channel(server.grpc_url)
+        try:
+            stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+            request = bytes_request(service_pb2, "text_embedding", "text", [f"grpc {trace_id}".encode()], "embedding")
+            _, call = stub.ModelInfer.with_call(request, metadata=(("traceparent", traceparent),), timeout=120)
+            assert dict(call.trailing_metadata())["x-trace-id"] == trace_id
+        finally:
+            channel.close()
+        return trace_id, span_id
+
+    wanted = [("screen text_embedding", "screen")] + EMBEDDING_TREE[1:]
+    spans, span_id = whole_trace_over_grpc(receiver, send, wanted)
     check_tree(spans, EMBEDDING_TREE, span_id)
     (screen,) = named(spans, "screen text_embedding")
     assert screen.attributes[names.PROTOCOL] == "grpc" and screen.attributes[names.GRPC_STATUS] == "OK"
@@ -181,30 +212,34 @@ def test_a_grpc_stream_is_one_span_with_its_requests_under_it(server, receiver):
 
     import tritonclient.grpc as grpcclient
 
-    traceparent, trace_id, span_id = new_parent()
     audio = (TEST_DATA / "speech_hello.wav").read_bytes()
-    client = grpcclient.InferenceServerClient(server.grpc_url)
-    results: queue.Queue = queue.Queue()
-    client.start_stream(callback=lambda result, error: results.put((result, error)),
-                        headers={"traceparent": traceparent})
-    try:
-        inputs = [grpcclient.InferInput("audio", [1, 1], "BYTES"),
-                  grpcclient.InferInput("max_new_tokens", [1, 1], "INT32")]
-        inputs[0].set_data_from_numpy(np.array([[audio]], dtype=object))
-        inputs[1].set_data_from_numpy(np.array([[3]], dtype=np.int32))
-        client.async_stream_infer("speech_recognition_stream", inputs)
-        while True:
-            result, error = results.get(timeout=120)
-            assert error is None, error
-            if result.as_numpy("is_final").reshape(-1)[0]:
-                break
-    finally:
-        client.stop_stream()
-        client.close()
+
+    def send() -> tuple[str, str]:
+        traceparent, trace_id, span_id = new_parent()
+        client = grpcclient.InferenceServerClient(server.grpc_url)
+        results: queue.Queue = queue.Queue()
+        client.start_stream(callback=lambda result, error: results.put((result, error)),
+                            headers={"traceparent": traceparent})
+        try:
+            inputs = [grpcclient.InferInput("audio", [1, 1], "BYTES"),
+                      grpcclient.InferInput("max_new_tokens", [1, 1], "INT32")]
+            inputs[0].set_data_from_numpy(np.array([[audio]], dtype=object))
+            inputs[1].set_data_from_numpy(np.array([[3]], dtype=np.int32))
+            client.async_stream_infer("speech_recognition_stream", inputs)
+            while True:
+                result, error = results.get(timeout=120)
+                assert error is None, error
+                if result.as_numpy("is_final").reshape(-1)[0]:
+                    break
+        finally:
+            client.stop_stream()
+            client.close()
+        return trace_id, span_id
+
     wanted = [("screen stream", "screen"), ("speech_recognition_stream", "tritonserver"),
               ("speech_recognition_stream", "stub"), ("bls whisper_encoder", "stub"), ("bls whisper_decoder", "stub"),
               ("whisper_decoder", "tritonserver")]
-    spans = wait_tree(receiver, trace_id, wanted)
+    spans, span_id = whole_trace_over_grpc(receiver, send, wanted)
     check_tree(spans, wanted, span_id)
 
 
@@ -283,26 +318,33 @@ def test_chat_completions_are_one_tree_with_the_gateway_call(server, receiver, f
 
 
 def test_v1_embeddings_reach_triton_in_the_frontends_trace(server, receiver):
-    traceparent, trace_id, span_id = new_parent()
-    status, headers, _ = http_infer(server.http_url, "", {"model": "text_embedding", "input": f"v1 {trace_id}"},
-                                    {"traceparent": traceparent}, path="/v1/embeddings")
-    assert status == 200 and headers["x-trace-id"] == trace_id
+    def send() -> tuple[str, str]:  # the frontend calls Triton over gRPC
+        traceparent, trace_id, span_id = new_parent()
+        status, headers, _ = http_infer(server.http_url, "", {"model": "text_embedding", "input": f"v1 {trace_id}"},
+                                        {"traceparent": traceparent}, path="/v1/embeddings")
+        assert status == 200 and headers["x-trace-id"] == trace_id
+        return trace_id, span_id
+
     wanted = [("POST /v1/embeddings", "frontend"), ("text_embedding", "tritonserver"), ("text_encoder", "stub")]
-    spans = wait_tree(receiver, trace_id, wanted)
+    spans, span_id = whole_trace_over_grpc(receiver, send, wanted)
     check_tree(spans, wanted, span_id)
 
 
 def test_v1_transcriptions_reach_the_stream_model_in_the_frontends_trace(server, receiver):
     openai = pytest.importorskip("openai")
-    traceparent, trace_id, span_id = new_parent()
     client = openai.OpenAI(base_url=f"http://{server.http_url}/v1", api_key="none", max_retries=0, timeout=120)
-    raw = client.audio.transcriptions.with_raw_response.create(
-        model="speech_recognition", file=("a.wav", (TEST_DATA / "speech_hello.wav").read_bytes()),
-        extra_headers={"traceparent": traceparent})
-    assert raw.headers["x-trace-id"] == trace_id and raw.parse().text
+
+    def send() -> tuple[str, str]:  # the frontend calls Triton's stream over gRPC
+        traceparent, trace_id, span_id = new_parent()
+        raw = client.audio.transcriptions.with_raw_response.create(
+            model="speech_recognition", file=("a.wav", (TEST_DATA / "speech_hello.wav").read_bytes()),
+            extra_headers={"traceparent": traceparent})
+        assert raw.headers["x-trace-id"] == trace_id and raw.parse().text
+        return trace_id, span_id
+
     wanted = [("POST /v1/audio/transcriptions", "frontend"), ("speech_recognition_stream", "tritonserver"),
               ("speech_recognition_stream", "stub"), ("bls whisper_decoder", "stub")]
-    spans = wait_tree(receiver, trace_id, wanted)
+    spans, span_id = whole_trace_over_grpc(receiver, send, wanted)
     check_tree(spans, wanted, span_id)
 
 

@@ -75,13 +75,20 @@ class Router:
                              outputs=route.outputs, realtime_target=variant_name(route.model, version=version))
 
     @staticmethod
-    def without_batch_variant(routed: RoutedRequest) -> RoutedRequest | None:
-        """The same request for the realtime model, when the ``_batch`` variant is not loaded (an
-        ensemble with no compute step of its own has none); None if it already is realtime."""
-        if routed.target == routed.realtime_target:
-            return None
-        return dataclasses.replace(routed, target=routed.realtime_target, latency_class="realtime",
-                                   note=f"{routed.target} is not loaded: served by the realtime model")
+    def fallback(routed: RoutedRequest) -> RoutedRequest | None:
+        """The same request for a model more likely to be loaded, when ``routed.target`` is not; None
+        when there is none left. First the realtime model of a ``_batch`` variant (an ensemble with
+        no compute step of its own has none), then the stable version of a canary version (a canary
+        unloaded, or never loaded, costs its share of the traffic nothing)."""
+        if routed.target != routed.realtime_target:
+            return dataclasses.replace(routed, target=routed.realtime_target, latency_class="realtime",
+                                       note=f"{routed.target} is not loaded: served by the realtime model")
+        if routed.canary and routed.model_version not in (None, STABLE_VERSION):
+            stable = variant_name(routed.model)
+            return dataclasses.replace(routed, target=stable, realtime_target=stable, model_version=STABLE_VERSION,
+                                       note=f"{routed.target} is not loaded: served by the stable version "
+                                            f"({stable}, {routed.canary} version {STABLE_VERSION})")
+        return None
 
     def _prepare_gateway(self, route: TaskRoute, payload: dict, latency_class: str) -> RoutedRequest:
         messages = gateway_messages(payload)

@@ -175,8 +175,9 @@ class RouterService:
             deadline = self.router.table.deadline_s(routed.task)
             if kind == "triton":
                 try:
-                    served = self._serve_triton(routed, forwarded_parameters(deadline, cancel_id))
-                    return await asyncio.wait_for(served, deadline), None, 0.0, routed
+                    serving = self._serve_triton(routed, forwarded_parameters(deadline, cancel_id))
+                    result, served = await asyncio.wait_for(serving, deadline)
+                    return result, None, 0.0, served
                 except asyncio.TimeoutError:
                     raise RouteError("timeout", f"no answer from {routed.target} within the task's deadline "
                                                 f"of {deadline:g} s") from None
@@ -192,16 +193,18 @@ class RouterService:
         finally:
             self.in_flight[kind] -= 1
 
-    async def _serve_triton(self, routed: RoutedRequest, parameters: Mapping[str, str]) -> dict:
-        try:
-            outputs = await self.call_triton(routed.target, routed.inputs, routed.outputs, parameters)
-        except RouteError as error:
-            fallback = self.router.without_batch_variant(routed)
-            if error.reason != "not_loaded" or fallback is None:
-                raise
-            routed = fallback  # the result names what really served it
-            outputs = await self.call_triton(routed.target, routed.inputs, routed.outputs, parameters)
-        return self.router.triton_result(routed, outputs)
+    async def _serve_triton(self, routed: RoutedRequest, parameters: Mapping[str, str]
+                            ) -> tuple[dict, RoutedRequest]:
+        """(result, the request as served): a target that is not loaded falls back (``Router.fallback``)."""
+        while True:
+            try:
+                outputs = await self.call_triton(routed.target, routed.inputs, routed.outputs, parameters)
+                return self.router.triton_result(routed, outputs), routed
+            except RouteError as error:
+                fallback = self.router.fallback(routed) if error.reason == "not_loaded" else None
+                if fallback is None:
+                    raise
+                routed = fallback  # the result and the metrics name what really served it
 
     def _note_circuit(self, routed: RoutedRequest) -> None:
         if routed.route == "gateway" and routed.target in self.gateway.breakers:

@@ -265,8 +265,30 @@ def test_vision_payload_becomes_an_image_message(router):
 
 def test_batch_class_falls_back_to_realtime_only_when_asked_for_batch(router):
     routed = router.prepare(b"speech_recognition", json.dumps({"audio": base64.b64encode(b"RIFF").decode()}), b"batch")
-    fallback = Router.without_batch_variant(routed)
+    fallback = Router.fallback(routed)
     assert (routed.target, fallback.target, fallback.latency_class) == (
         "speech_recognition_batch", "speech_recognition", "realtime")
     assert "speech_recognition_batch is not loaded" in fallback.note
-    assert Router.without_batch_variant(fallback) is None
+    assert Router.fallback(fallback) is None
+
+
+def canary_request(router, version: int, latency_class: bytes | None = None):
+    """A text_embedding request whose key the default split (90/10) sends to ``version``."""
+    for i in range(1000):
+        routed = router.prepare(b"text_embedding", json.dumps({"text": "x"}).encode(), latency_class, f"user-{i}")
+        if routed.model_version == version:
+            return routed
+    raise AssertionError(f"no key lands on version {version}")
+
+
+def test_a_canary_version_not_loaded_falls_back_to_the_stable_version(router):
+    routed = canary_request(router, 2, b"batch")
+    chain = [routed.target]
+    while (routed := Router.fallback(routed)) is not None:
+        chain.append((routed.target, routed.model_version, routed.latency_class))
+        last = routed
+    # the canary's realtime model first, then the stable version: the split never costs a request
+    assert chain == ["text_embedding_batch_v2", ("text_embedding_v2", 2, "realtime"),
+                     ("text_embedding", 1, "realtime")]
+    assert "text_embedding_v2 is not loaded: served by the stable version" in last.note
+    assert Router.fallback(canary_request(router, 1)) is None  # the stable version has nothing behind it

@@ -142,3 +142,35 @@ def test_a_self_hosted_call_carries_the_tasks_deadline_and_the_cancel_board_id()
     deadlines = sorted(int(p[CLIENT_DEADLINE_PARAMETER]) - before for p in seen)
     assert 59e9 <= deadlines[0] <= 61e9 and 299e9 <= deadlines[1] <= 301e9  # text 60 s, speech 300 s (routes.yaml)
     assert all(p[CLIENT_CANCEL_PARAMETER] == "ab" * 16 for p in seen)
+
+
+def test_a_canary_version_that_is_not_loaded_is_served_by_the_stable_one_and_counted_so():
+    """A canary unloaded (or never loaded beside its stable version) costs its share nothing: the
+    answer and the canary metric name the version that served it."""
+    from triton_pipelines.errors import RouteError
+
+    called = []
+
+    async def stable_only(target, inputs, outputs, parameters):
+        called.append(target)
+        if target != "text_embedding":
+            raise RouteError("not_loaded", f"model {target} is not loaded on this server")
+        return await echo_triton(target, inputs, outputs, parameters)
+
+    class Canaries(Recorder):
+        def request(self, task, route, reason, latency_s, routed, completion, cost_usd):
+            self.reasons.append((reason, routed.model_version, routed.target))
+
+    recorder = Canaries()
+    service = RouterService(ROUTER, GatewayClient(TABLE.gateway, {}), stable_only, recorder)
+    # a key that the default split (90/10) sends to version 2
+    key = next(f"user-{i}" for i in range(1000)
+               if ROUTER.prepare(b"text_embedding", b'{"text": "x"}', None, f"user-{i}").model_version == 2)
+    answer = asyncio.run(service.handle(np.array([[b"text_embedding"]], dtype=np.object_),
+                                        np.array([[b'{"text": "x"}']], dtype=np.object_), None, key))
+    assert not answer.reason, answer.message
+    result = json.loads(answer.result[0][0])
+    assert called == ["text_embedding_v2", "text_embedding"]
+    assert (result["served_by"], result["model_version"], result["canary"]["version"]) == ("text_embedding", "1", 1)
+    assert "text_embedding_v2 is not loaded" in result["note"]
+    assert recorder.reasons == [(None, 1, "text_embedding")]
