@@ -117,6 +117,12 @@ def refusal_text(status: int, message: str, retry_after_s: float | None = None) 
     return f"[refused {status}{after}] {message}"
 
 
+# /v1 routing errors, as the frontend (aiohttp's 404/405) and nginx (paths and methods it stops
+# before the frontend) answer them: (message, OpenAI code); ``{method}``: the request's method.
+OPENAI_NOT_FOUND = ("not found: no such /v1 endpoint", "not_found")
+OPENAI_METHOD_NOT_ALLOWED = ("method {method} is not allowed here", "method_not_allowed")
+
+
 def openai_error_body(message: str, kind: str, code: str | None = None, param: str | None = None) -> dict:
     """OpenAI's error shape, built here only: the /v1 frontend's errors and nginx's /v1 refusals."""
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}

@@ -69,10 +69,13 @@ def test_json_bodies_that_crashed_tritonserver_get_413_and_it_keeps_serving(trit
         status, answer = post(url, body)
         assert status == 413 and "the JSON part of a request is limited to 131072 bytes" in error_of(answer)
         assert "binary" in error_of(answer)  # the message says what to do instead
-    # the same JSON as the header of a binary request, and a header length that is not a number
-    for length in ("4200000", "12abc"):
-        status, answer = post(url, flat, {"Inference-Header-Content-Length": length})
-        assert status == 413 and "Inference-Header-Content-Length must be" in error_of(answer)
+    # the same JSON as the header of a binary request: over the limit (413), or not a length (400)
+    status, answer = post(url, flat, {"Inference-Header-Content-Length": "4200000"})
+    assert status == 413 and "the JSON part of a request is limited to 131072 bytes" in error_of(answer)
+    for length in ("12abc", "-5", "0x10", "1e3", " "):  # (empty: nginx cannot tell it from none; the screen can)
+        status, answer = post(url, b"{}", {"Inference-Header-Content-Length": length})
+        assert status == 400 and "Inference-Header-Content-Length must be a decimal number" in error_of(answer), (
+            length, status, answer)
     # A compressed body could inflate past every limit after the proxy.
     status, answer = post(url, b"\x1f\x8b" + bytes(100), {"Content-Encoding": "gzip"})
     assert status == 415 and "uncompressed" in error_of(answer)
@@ -193,6 +196,20 @@ def test_unknown_paths_and_wrong_methods(triton_server):
     status, answer = post(f"{base}/v2/models/text_embedding/config", None, method="GET")
     assert status == 200 and json.loads(answer)["name"] == "text_embedding"
     assert post(triton_server.metrics_url, b"x")[0] == 405
+
+
+def test_a_request_nginx_cannot_parse_is_a_json_400(triton_server):
+    """A %00 in the path was nginx's HTML page; now Triton's error shape ({"error": ...})."""
+    host, port = triton_server.http_url.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as connection:
+        connection.sendall(b"GET /v2/models/text_embedding%00/config HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        data = b""
+        while chunk := connection.recv(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and b"application/json" in head, data[:300]
+    assert "request is malformed" in error_of(body)
+    assert_serving(triton_server)
 
 
 # ------------------------------------------------------------------------------------ router rows

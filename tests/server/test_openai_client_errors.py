@@ -112,3 +112,50 @@ def test_a_malformed_part_header_is_400_saying_what_is_wrong(server, client, fil
     error = assert_openai_error(status, answer, 400)
     assert says in error["message"] and "longer than" not in error["message"], error
     neighbour_is_served(client)
+
+
+# ------------------------------------------------------------------------------------ paths and methods
+def raw_request(server, request_line: str) -> tuple[int, str, bytes]:
+    """(status, content type, body) of one request line sent as it is (no client normalizes it)."""
+    host, port = server.http_url.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as connection:
+        connection.sendall(f"{request_line}\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nConnection: close\r\n"
+                           "Content-Length: 0\r\n\r\n".encode())
+        data = b""
+        while chunk := connection.recv(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    content_type = next((line.split(":", 1)[1].strip() for line in lines[1:] if line.lower().startswith("content-type:")),
+                        "")
+    return int(lines[0].split()[1]), content_type, body
+
+
+@pytest.mark.parametrize("request_line, status, code", [
+    ("PUT /v1/chat/completions HTTP/1.1", 405, "method_not_allowed"),
+    ("DELETE /v1/models HTTP/1.1", 405, "method_not_allowed"),
+    ("FOO /v1/models HTTP/1.1", 405, "method_not_allowed"),  # the frontend's parser knows no FOO
+    ("GET /v1/nope HTTP/1.1", 404, "not_found"),
+    ("POST /v1/chat/completions/extra HTTP/1.1", 404, "not_found"),
+    ("GET //v1/models HTTP/1.1", 404, "not_found"),  # nginx merges the slashes, the frontend would not
+    ("GET /%761/models HTTP/1.1", 404, "not_found"),  # nor decode the path
+    ("GET /v1 HTTP/1.1", 404, "not_found"),  # not nginx's 301 to /v1/ in HTML
+    ("GET /v1/models%00 HTTP/1.1", 400, "bad_request"),  # nginx refuses the path itself
+])
+def test_a_path_or_method_v1_does_not_have_is_answered_in_openais_shape(server, client, request_line, status, code):
+    """Issue 33 §4: unknown methods, //v1/models and %00 were answered by nginx's HTML pages or
+    aiohttp's plain text (and a traceback in the frontend's log for an unknown method token)."""
+    answered, content_type, body = raw_request(server, request_line)
+    assert content_type.startswith("application/json"), (request_line, answered, body[:200])
+    error = assert_openai_error(answered, body, status)
+    assert error["code"] == code and error["type"] == "invalid_request_error"
+    if status == 405:
+        assert request_line.split()[0] in error["message"]
+    neighbour_is_served(client)
+
+
+def test_no_v1_refusal_leaves_a_traceback_in_the_log(server, client):
+    for request_line in ("FOO /v1/models HTTP/1.1", "GET //v1/models HTTP/1.1", "GET /v1/%00 HTTP/1.1"):
+        raw_request(server, request_line)
+    neighbour_is_served(client)
+    assert "Traceback" not in (LOG_DIR / "test-openai-server.log").read_text(errors="replace")

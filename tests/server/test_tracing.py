@@ -318,15 +318,13 @@ def test_chat_completions_are_one_tree_with_the_gateway_call(server, receiver, f
 
 
 def test_v1_embeddings_reach_triton_in_the_frontends_trace(server, receiver):
-    def send() -> tuple[str, str]:  # the frontend calls Triton over gRPC
-        traceparent, trace_id, span_id = new_parent()
-        status, headers, _ = http_infer(server.http_url, "", {"model": "text_embedding", "input": f"v1 {trace_id}"},
-                                        {"traceparent": traceparent}, path="/v1/embeddings")
-        assert status == 200 and headers["x-trace-id"] == trace_id
-        return trace_id, span_id
-
+    # The launcher's frontend calls Triton's HTTP port for embeddings (docs/openai.md): no gRPC carrier.
+    traceparent, trace_id, span_id = new_parent()
+    status, headers, _ = http_infer(server.http_url, "", {"model": "text_embedding", "input": f"v1 {trace_id}"},
+                                    {"traceparent": traceparent}, path="/v1/embeddings")
+    assert status == 200 and headers["x-trace-id"] == trace_id
     wanted = [("POST /v1/embeddings", "frontend"), ("text_embedding", "tritonserver"), ("text_encoder", "stub")]
-    spans, span_id = whole_trace_over_grpc(receiver, send, wanted)
+    spans = wait_tree(receiver, trace_id, wanted)
     check_tree(spans, wanted, span_id)
 
 

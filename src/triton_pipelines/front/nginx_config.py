@@ -46,7 +46,7 @@ import string
 from dataclasses import dataclass
 from pathlib import Path
 
-from triton_pipelines.errors import ConfigError, openai_error_body
+from triton_pipelines.errors import OPENAI_METHOD_NOT_ALLOWED, OPENAI_NOT_FOUND, ConfigError, openai_error_body
 from triton_pipelines.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_JSON_BYTES, REQUEST_TIMEOUT_S
 
 
@@ -127,8 +127,10 @@ BINARY_HINT = ("send tensor data in binary form (tritonclient: binary_data=True,
 MESSAGES = {
     "too_large": "request body exceeds the server's limit of {max_body_bytes} bytes ({body_mb})",
     "json_too_large": "the JSON part of a request is limited to {max_json_bytes} bytes ({json_kb}): {binary_hint}",
-    "bad_header_length": "Inference-Header-Content-Length must be a decimal number of bytes, at most "
-                         "{max_json_bytes} ({json_kb}): {binary_hint}",
+    "bad_header_length": "Inference-Header-Content-Length must be a decimal number of bytes: the length of "
+                         "the JSON part of the request",
+    # a request line or header nginx itself cannot parse (a %00 in the path, a bad method token)
+    "bad_request": "the request is malformed (its request line or a header cannot be parsed)",
     "encoding": "compressed request bodies (Content-Encoding) are not accepted: send the body uncompressed",
     "grpc_encoding": "compressed gRPC messages (grpc-encoding) are not accepted: send them uncompressed",
     "header_too_large": "a request header is longer than {header_buffer_kb} KiB",
@@ -149,10 +151,13 @@ MESSAGES = {
     "client_overloaded": "this client (its address) is at its limit of {max_inflight_per_client} "
                          "inference requests in flight: retry shortly",
     "grpc_unknown_method": "unknown gRPC method",
+    # /v1 paths and methods the frontend does not have, stopped here (its own answers, the same)
+    "openai_not_found": OPENAI_NOT_FOUND[0],
+    "openai_method": OPENAI_METHOD_NOT_ALLOWED[0],
 }
 # The HTTP answers the template holds as nginx string literals (%%json_<key>).
-HTTP_MESSAGES = ("too_large", "json_too_large", "bad_header_length", "encoding", "header_too_large", "control",
-                 "not_found", "method", "unavailable", "overloaded", "client_overloaded")
+HTTP_MESSAGES = ("too_large", "json_too_large", "bad_header_length", "bad_request", "encoding", "header_too_large",
+                 "control", "not_found", "method", "unavailable", "overloaded", "client_overloaded")
 
 
 class NginxTemplate(string.Template):
@@ -175,7 +180,8 @@ def _message_values(config: ProxyConfig) -> dict[str, object]:
     return {"max_body_bytes": config.max_body_bytes, "body_mb": f"{config.max_body_bytes / 2**20:g} MiB",
             "max_json_bytes": config.max_json_bytes, "json_kb": f"{config.max_json_bytes // 1024} KiB",
             "binary_hint": BINARY_HINT, "header_buffer_kb": HEADER_BUFFER_KB, "max_inflight": config.max_inflight,
-            "max_inflight_per_client": config.max_inflight_per_client}
+            "max_inflight_per_client": config.max_inflight_per_client,
+            "method": "$request_method"}  # nginx's method token: capitals, '_' and '-' (nothing to escape)
 
 
 def grpc_overloaded_message(max_inflight: int, max_inflight_per_client: int) -> str:
@@ -197,7 +203,10 @@ def messages(config: ProxyConfig) -> dict[str, str]:
 OPENAI_ERRORS = {"too_large": ("too_large", "invalid_request_error", "request_too_large"),
                  "client_overloaded": ("client_overloaded", "rate_limit_error", "rate_limit_exceeded"),
                  "overloaded": ("overloaded", "rate_limit_error", "rate_limit_exceeded"),
-                 "unavailable": ("openai_unavailable", "server_error", "service_unavailable")}
+                 "unavailable": ("openai_unavailable", "server_error", "service_unavailable"),
+                 "not_found": ("openai_not_found", "invalid_request_error", OPENAI_NOT_FOUND[1]),
+                 "method": ("openai_method", "invalid_request_error", OPENAI_METHOD_NOT_ALLOWED[1]),
+                 "bad_request": ("bad_request", "invalid_request_error", "bad_request")}
 
 
 def _openai_error(message: str, kind: str, code: str) -> str:

@@ -38,7 +38,7 @@ from triton_pipelines.limits import (CLIENT_CANCEL_PARAMETER, CLIENT_DEADLINE_PA
 from triton_pipelines.gateway.keys import KEY_ID_PARAMETER, KeyRing, bearer_secret, keys_from_environment
 from triton_pipelines.errors import REFUSAL_STATUSES, parse_refusal
 from triton_pipelines.http1 import Upstream, header, read_body, read_head
-from triton_pipelines.front.nginx_config import CLIENT_ADDRESS_HEADER, grpc_overloaded_message
+from triton_pipelines.front.nginx_config import CLIENT_ADDRESS_HEADER, MESSAGES, grpc_overloaded_message
 from triton_pipelines.front.places import Places, byte_budget, bytes_overloaded_message
 from triton_pipelines.telemetry.front import TRACE_HEADERS, metadata_value, screen_trace
 from triton_pipelines.front.screen import (ScreenError, ScreenPolicy, check_grpc_request, check_http_request,
@@ -135,6 +135,8 @@ class HttpScreen:
         if found is None:
             raise ScreenError("not found", 404, "NOT_FOUND")
         json_length = header(headers, b"inference-header-content-length")
+        if json_length is not None and not json_length.strip().isdigit():  # nginx lets an empty one by
+            raise ScreenError(MESSAGES["bad_header_length"])
         size = len(body) if json_length is None else int(json_length)
         if size > len(body):
             raise ScreenError(f"Inference-Header-Content-Length ({size}) is longer than the body ({len(body)} bytes)")

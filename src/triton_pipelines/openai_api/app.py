@@ -9,6 +9,7 @@ import asyncio
 import sys
 import time
 
+from triton_pipelines.errors import OPENAI_METHOD_NOT_ALLOWED, OPENAI_NOT_FOUND
 from triton_pipelines.front.nginx_config import CLIENT_ADDRESS_HEADER
 from triton_pipelines.front.places import Places, byte_budget, bytes_overloaded_message
 from triton_pipelines.gateway.keys import KeyRing, bearer_secret
@@ -90,8 +91,8 @@ class Frontend:
                 return error_reply(error)
             except web.HTTPException as error:  # aiohttp's own: unknown path, wrong method, body too large
                 status = error.status
-                kind = {404: ("not found: no such /v1 endpoint", "not_found"),
-                        405: (f"method {request.method} is not allowed here", "method_not_allowed"),
+                method_message, method_code = OPENAI_METHOD_NOT_ALLOWED
+                kind = {404: OPENAI_NOT_FOUND, 405: (method_message.format(method=request.method), method_code),
                         413: ("the request body is too large", "request_too_large")}
                 message, code = kind.get(error.status, (error.reason, None))
                 return error_reply(proto.OpenAIError(error.status, message, "invalid_request_error", None, code))

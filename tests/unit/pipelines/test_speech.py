@@ -362,6 +362,24 @@ def test_greedy_decoder_sends_only_the_running_windows(tokenizer):
     assert all(names == cross_names(1) and parameters == {} for _, names, parameters, *_ in step.calls)
 
 
+def test_a_client_gone_while_the_encoder_ran_costs_no_decoder_step(tokenizer):
+    """The first on_step comes before the first step: a 120 s clip's encoder call takes seconds on
+    a CPU, and a client that left meanwhile must not pay a decoder step (test_hostile_cancel saw one)."""
+    step = ScriptedDecoder(tokenizer.eot)
+    windows = np.arange(len(SCRIPTS), dtype=np.float32)
+    cross = {name: np.broadcast_to(windows[:, None, None, None], (len(windows), 2, 3, 5)).copy()
+             for name in cross_names(1)}
+    seen = []
+
+    def gone(state):
+        seen.append([len(t) for t in state.tokens])
+        state.stop(range(len(state.tokens)))
+
+    tokens = GreedyDecoder(tokenizer, VOCAB, step).decode(np.array([tokenizer.prompt()] * len(windows)), 4, cross,
+                                                          heads=2, head_dim=5, on_step=gone)
+    assert step.calls == [] and seen == [[0] * len(windows)] and tokens == [[]] * len(windows)
+
+
 def test_greedy_decoder_without_compaction_keeps_every_row(tokenizer):
     step = ScriptedDecoder(tokenizer.eot)
     assert decode_scripted(tokenizer, step, compact=False) == EXPECTED

@@ -256,7 +256,8 @@ class GreedyDecoder:
         """``prompts [N, 4]`` (``GreedyBatch``'s prompt slots: a detected language is written into
         them) and the encoder's cross K/V of those N windows → generated ids per window. ``compact=False``: finished windows stay in the batch (``GreedyBatch``), for cross
         K/V whose rows cannot be gathered here (on a GPU). ``on_step(state)``: after every step
-        (``state.tokens`` so far, ``state.finished``), e.g. to stream partial transcripts."""
+        (``state.tokens`` so far, ``state.finished``), e.g. to stream partial transcripts, and once
+        before the first (the encoder may have run for seconds: a client gone meanwhile costs no step)."""
         state = GreedyBatch(prompts, self.eot, max_new_tokens, self.mask, compact=compact, begin_mask=self.begin_mask,
                             timestamps=self.timestamps, language_mask=self.language_mask)
 
@@ -265,6 +266,8 @@ class GreedyDecoder:
 
         past: np.ndarray | None = empty_past(len(prompts))  # first step: zero-length self-attention cache
         sent = cross  # first step: the tensors themselves (a caching decoder stores them)
+        if on_step is not None:
+            on_step(state)
         while not state.done:
             if self.cache_key is None:
                 logits, present = self.step(state.next_ids, past, sent, {})
