@@ -10,12 +10,19 @@ and returns when the attack got through), while the soak's neighbours keep their
   ``sequence_id`` -1, ``priority`` "x", ``timeout`` 1e300), each a 400 from the screen.
 - gRPC: 16 streams that send only HEADERS (closed by the screen within its first-message time, no
   place held); a 60 s clip with a 2 s deadline (DEADLINE_EXCEEDED; the decode loop stops).
+- raw HTTP: request lines a client library would never send (``FOO /v1/models``, ``//v1/models``,
+  ``/v1/models%00``) and a malformed ``Inference-Header-Content-Length``: each a 4xx in JSON, never
+  nginx's HTML or the frontend's plain text; a /v1 chat whose client sends half its body and resets
+  the connection (nothing to refuse: what it must not cost is the neighbours' answers and a
+  traceback in the log, which the report's failures and the log show).
 """
 
 from __future__ import annotations
 
 import io
 import json
+import socket
+import struct
 import time
 import urllib.error
 import urllib.request
@@ -40,6 +47,21 @@ def _post(url: str, body: bytes, headers: dict[str, str]) -> None:
         if 400 <= error.code < 500:
             raise Refused(f"{error.code}") from None
         raise  # a 5xx is a failure of ours, not a refusal
+
+
+def _raw(address: str, request: bytes, reset_after: bool = False) -> tuple[int, bytes]:
+    """(status, head) of one request sent as these bytes; ``reset_after``: close with RST, unread."""
+    host, port = address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=60) as connection:
+        connection.sendall(request)
+        if reset_after:
+            connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            return 0, b""
+        data = b""
+        while chunk := connection.recv(65536):
+            data += chunk
+    head = data.partition(b"\r\n\r\n")[0]
+    return int(head.split(b" ", 2)[1]), head
 
 
 def long_clip(wav: bytes, seconds: float = 60.0) -> bytes:
@@ -101,7 +123,27 @@ def attacks(server, wav: bytes) -> list:
         finally:
             client.close()
 
+    def raw_lines():
+        for line in (b"FOO /v1/models", b"GET //v1/models", b"GET /v1/models%00"):
+            status, head = _raw(server.http_url, line + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            if not (400 <= status < 500 and b"application/json" in head):
+                return  # got through: a 5xx, a 2xx or an answer not in JSON
+        raise Refused("4xx in JSON")
+
+    def malformed_length():
+        _post(http + "/v2/models/text_embedding/infer", b"{}",
+              {"Content-Type": "application/json", "Inference-Header-Content-Length": "12abc"})
+
+    def half_body_reset():
+        body = json.dumps({"model": "gpt-4.1", "messages": [{"role": "user", "content": "x" * 4000}]}).encode()
+        _raw(server.http_url, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+             b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body[:len(body) // 2], reset_after=True)
+        raise Refused("nothing to answer")
+
     return [
+        raw_lines,
+        malformed_length,
+        half_body_reset,
         v1_json("/v1/embeddings", '{"model": "text_embedding", "input": [' + "[]," * 40_000 + "[]]}"),
         preamble,
         chat(max_tokens=int("9" * 400)),

@@ -24,7 +24,8 @@ from tests.conftest import LOG_DIR, ensure_repository
 from tests.support.fake_gateway import Reply, context_length_error
 from tests.support.gateway_helpers import environment, grpc_route, http_route, router_repository
 
-SECRETS = {name: f"sk-{name}-{os.urandom(12).hex()}" for name in ("budget", "rpm", "tpm", "narrow", "open", "replicas")}
+SECRETS = {name: f"sk-{name}-{os.urandom(12).hex()}" for name in ("budget", "rpm", "tpm", "narrow", "open", "replicas",
+                                                                   "concurrent", "overbill")}
 GATEWAY_KEY = "gw-" + os.urandom(12).hex()
 GATEWAY = {"timeout_s": 3.0, "max_retries": 0, "backoff_s": 0.05, "circuit_failure_threshold": 50,
            "deadline_s": 8.0, "reservation_margin_s": 2.0}
@@ -40,6 +41,8 @@ def keys_document() -> dict:
         {"key": SECRETS["narrow"], "name": "team-narrow", "models": ["deepseek-v3.2", "gemini-2.5-flash"]},
         {"key": SECRETS["open"], "name": "team-open"},
         {"key": SECRETS["replicas"], "name": "team-replicas", "max_budget_usd": 0.003},
+        {"key": SECRETS["concurrent"], "name": "team-concurrent", "max_budget_usd": 0.003},
+        {"key": SECRETS["overbill"], "name": "team-overbill", "max_budget_usd": 0.01},
     ]}
 
 
@@ -150,6 +153,36 @@ def test_the_budget_is_refused_within_one_call_and_never_overspent(server, gatew
         float(sum(costs)))
     assert prometheus_text.total(samples, "router_refusals_total", key_name="team-budget",
                                  reason="over_budget") >= 2
+
+
+def test_concurrent_calls_overspend_by_at_most_one_call_and_a_bill_over_the_reservation_is_flagged(
+        server, gateway, setup):
+    """Issue 33 §1 through the public port: 40 calls at once near a $0.003 budget, each billed its
+    whole max_tokens (the most an honest upstream may bill), spend at most the budget plus one
+    call; then an upstream that bills 5,000 tokens for a 20-token call is charged in full, flagged
+    (the row's outcome, the metric) and the key is refused at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    gateway.default = Reply(completion_tokens=HELLO["max_tokens"], delay_s=0.3)
+    payload = {**HELLO, "tier": "best"}
+    with ThreadPoolExecutor(40) as pool:
+        answers = list(pool.map(lambda _: http_route(server.http_url, "general_llm", payload,
+                                                     secret=SECRETS["concurrent"]), range(40)))
+    costs = [Decimal(str(body["result"]["usage"]["cost_usd"])) for status, _, body in answers if status == 200]
+    assert costs and any(status == 429 for status, _, _ in answers), [a[0] for a in answers]
+    total = ledger(setup).key_spend(next_key("team-concurrent")).committed_nusd
+    assert total == nano_usd(sum(costs)) and total <= nano_usd("0.003") + nano_usd(max(costs)), (total, len(costs))
+
+    gateway.default = Reply(completion_tokens=5000)
+    status, _, body = http_route(server.http_url, "general_llm", payload, secret=SECRETS["overbill"])
+    assert status == 200, body
+    rows = ledger(setup).rows("WHERE key_name = ?", ("team-overbill",))
+    assert [(r["output_tokens"], r["outcome"]) for r in rows] == [(5000, "success_over_reservation")]
+    assert rows[0]["cost_nusd"] > rows[0]["reserved_nusd"] and rows[0]["cost_nusd"] > nano_usd("0.01")
+    samples = prometheus_text.parse_samples(prometheus_text.scrape(server.metrics_url))
+    assert prometheus_text.total(samples, "router_over_reservation_total", key_name="team-overbill") == 1
+    status, _, body = http_route(server.http_url, "general_llm", payload, secret=SECRETS["overbill"])
+    assert status == 429 and "team-overbill" in body["error"], body
 
 
 def next_key(name: str):

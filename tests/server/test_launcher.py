@@ -5,6 +5,7 @@ from __future__ import annotations
 import http.server
 import json
 import os
+import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -94,6 +95,25 @@ def proxy_in_front_of(handler, state_dir: Path, **config):
     return proxy, upstream, http_port
 
 
+def wait_for_front(proxy, http_port: int, timeout_s: float = 30) -> None:
+    """Until nginx answers health on ``http_port`` (a loaded 2-core machine has taken over 10 s once,
+    in a full run); failing, says whether nginx is alive and what holds the port."""
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v2/health/live", timeout=2).read()
+            return
+        except (urllib.error.URLError, ConnectionError) as error:
+            if time.monotonic() > deadline:
+                listening = subprocess.run(["ss", "-ltnp", f"sport = :{http_port}"], capture_output=True,
+                                           text=True).stdout
+                raise AssertionError(f"nginx not answering on {http_port} after {timeout_s:g} s ({error}); "
+                                     f"alive: {proxy.alive()} (exit {proxy.process.poll()}); {listening}") from None
+            time.sleep(0.1)
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="nginx switches its workers to another user only when started as root")
 def test_large_bodies_pass_when_the_state_folder_is_private(tmp_path):
     """Started as root, nginx's workers run as nobody: bodies over their 1 MiB buffer go to temp
@@ -170,14 +190,7 @@ def test_the_front_refuses_inference_beyond_its_in_flight_limit_at_once(tmp_path
             return error.code, time.monotonic() - started, error.read(), error.headers.get("Retry-After")
 
     try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                urllib.request.urlopen(f"{base}/v2/health/live", timeout=2).read()
-                break
-            except (urllib.error.URLError, ConnectionError):
-                assert time.monotonic() < deadline
-                time.sleep(0.1)
+        wait_for_front(proxy, http_port)
         assert infer(json_body=True)[0] == 200  # alone: the JSON path's rewrite is not counted twice
         reached.clear()
         with ThreadPoolExecutor(5) as pool:
@@ -221,14 +234,7 @@ def test_clients_that_send_their_body_slowly_hold_no_in_flight_place(tmp_path):
                                                    run_as=default_worker_user())
     slow = []
     try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v2/health/live", timeout=2).read()
-                break
-            except (urllib.error.URLError, ConnectionError):
-                assert time.monotonic() < deadline
-                time.sleep(0.1)
+        wait_for_front(proxy, http_port)
         for _ in range(2):
             connection = socket.create_connection(("127.0.0.1", http_port))
             connection.sendall(b"POST /v2/models/m/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{{")
