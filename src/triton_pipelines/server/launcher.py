@@ -47,6 +47,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Callable
 
 from triton_pipelines.cancel_board import CancelBoard
 from triton_pipelines.server.control import ControlClient, resolve_key
@@ -94,6 +95,36 @@ def public_models_file(options: ServerOptions, state_dir: Path) -> Path | None:
 def per_client_share(options: ServerOptions) -> int:
     return client_share(options.max_inflight, options.max_inflight_per_client)
 
+
+# nginx restarts tolerated while the server starts (after it, the supervisor restarts it as often as it dies).
+START_FRONT_RESTARTS = 2
+
+
+def wait_for_front(address: str, proxy, log: Callable[[str], None], window_s: float = 30) -> None:
+    """Until the public port at ``address`` answers ready. nginx that exits meanwhile is restarted, as
+    the supervisor does once serving (``replicas.reconcile``); one that keeps dying (a port taken, a
+    bad configuration) stops the start, named."""
+    deadline = time.monotonic() + window_s
+    url = f"http://{address}/v2/health/ready"
+    front_restarts = 0
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as error:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the public port {address} does not answer: {error}") from None
+            if not proxy.alive():
+                code = proxy.process.returncode
+                if front_restarts == START_FRONT_RESTARTS:
+                    raise RuntimeError(f"nginx exited with code {code} ({front_restarts + 1} times while the "
+                                       "server started)") from None
+                log(f"nginx exited with code {code} while the server started; restarting it")
+                proxy.restart()
+                front_restarts += 1
+                deadline = time.monotonic() + window_s
+        time.sleep(0.1)
 
 class Launcher:
     """nginx + tritonserver (``options.replicas`` of them) + supervision; use as a context manager or
@@ -259,19 +290,7 @@ class Launcher:
         timeout_s = ready_timeout_s() if timeout_s is None else timeout_s
         for replica in self.replicas:
             replica.wait_ready(timeout_s)
-        deadline = time.monotonic() + 30
-        url = f"http://{self.http_url}/v2/health/ready"
-        while True:
-            try:
-                with urllib.request.urlopen(url, timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as error:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"the public port {self.http_url} does not answer: {error}") from None
-                if not self.proxy.alive():
-                    raise RuntimeError(f"nginx exited with code {self.proxy.process.returncode}")
-            time.sleep(0.1)
+        wait_for_front(self.http_url, self.proxy, self.log)
         if self.options.warm_pipelines:
             try:
                 self.warm_pipelines()
